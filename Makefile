@@ -1,0 +1,38 @@
+# `make demo` and `make test` each create .venv if missing, install what they need, and run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Tests run in two xdist workers (one per core on the reference 2-core machine).
+PYTEST_ARGS ?= -n 2 -m "not slow"
+
+.PHONY: demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PIP) install -q -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m model.demo --config=configs/tiny.py
+
+test: $(VENV)/.installed-test
+	$(PY) -m ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

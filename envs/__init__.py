@@ -1,0 +1,1 @@
+"""Environments stepped in separate JAX-free worker processes (issue 5)."""

@@ -1,0 +1,150 @@
+"""Grouped-query attention with an `attention_impl` switch and an optional contiguous KV cache.
+
+Dimension key: B batch, T query tokens, S key tokens, D model width, N query heads, K kv heads,
+G query heads per kv head (N = K * G), H head dim.
+
+`ATTENTION_IMPLS` maps `model.attention_impl` to a function
+`fn(q_BTNH, k_BSKH, v_BSKH, *, causal, segment_ids=None) -> o_BTNH` (self-attention, S == T).
+Kernels from `pallas_kernels` register themselves here under their own names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from model import layers, rope, sharding
+
+# Finite so that a fully masked row gives a uniform softmax (then zeroed), never NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
+    """Masked softmax attention in f32 without repeating K/V across the query group."""
+    b, t, n, h = q_BTNH.shape
+    kv = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum(
+        "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    mask = mask_BTS[:, None, None, :, :]
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask, probs, 0.0)  # fully masked rows: zeros, not a uniform average
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_BSKH.dtype), v_BSKH)
+    return out.reshape(b, t, n, h)
+
+
+def self_attention_mask(t: int, *, causal: bool, segment_ids_BT: jax.Array | None) -> jax.Array:
+    """[B or 1, T, T] boolean mask: causal by token index, and within the same segment."""
+    idx = jnp.arange(t)
+    mask = (idx[:, None] >= idx[None, :]) if causal else jnp.ones((t, t), bool)
+    mask = mask[None]
+    if segment_ids_BT is not None:
+        mask = mask & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    return mask
+
+
+def reference_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
+    """Plain einsum attention; O(T^2) memory. The reference every kernel is tested against."""
+    mask = self_attention_mask(q_BTNH.shape[1], causal=causal, segment_ids_BT=segment_ids)
+    mask = jnp.broadcast_to(mask, (q_BTNH.shape[0],) + mask.shape[1:])
+    return _attend(q_BTNH, k_BSKH, v_BSKH, mask)
+
+
+ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {"reference": reference_attention}
+
+
+def register_attention_impl(name: str, fn: Callable[..., jax.Array]) -> None:
+    ATTENTION_IMPLS[name] = fn
+
+
+def cached_attention(q_BTNH, k_cache_BSKH, v_cache_BSKH, start_B, *, num_new: int) -> jax.Array:
+    """Queries at cache slots start..start+T-1 attend to slots <= their own (the cache is causal)."""
+    s = k_cache_BSKH.shape[1]
+    q_slot_BT = start_B[:, None] + jnp.arange(num_new)[None, :]
+    mask_BTS = jnp.arange(s)[None, None, :] <= q_slot_BT[:, :, None]
+    return _attend(q_BTNH, k_cache_BSKH, v_cache_BSKH, mask_BTS)
+
+
+def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
+    """Writes new_BTKH at slots start_B .. start_B + T - 1 of each row."""
+
+    def one(c_SKH, n_TKH, s):
+        return jax.lax.dynamic_update_slice(c_SKH, n_TKH.astype(c_SKH.dtype), (s, 0, 0))
+
+    return jax.vmap(one)(cache_BSKH, new_BTKH, start_B)
+
+
+class Attention(nnx.Module):
+    def __init__(self, m: ml_collections.ConfigDict, rules, *, rngs: nnx.Rngs):
+        d, n, kv, h = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+        pd = m.param_dtype
+        self.q = layers.param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std=d**-0.5, dtype=pd)
+        self.k = layers.param(
+            rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), std=d**-0.5, dtype=pd
+        )
+        self.v = layers.param(
+            rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), std=d**-0.5, dtype=pd
+        )
+        self.o = layers.param(
+            rngs, (n, h, d), ("heads", "head_dim", "embed"), std=(n * h) ** -0.5, dtype=pd
+        )
+        if m.attention_bias:
+            self.q_bias = layers.const_param(jnp.zeros((n, h), pd), ("heads", "head_dim"))
+            self.k_bias = layers.const_param(jnp.zeros((kv, h), pd), ("kv_heads", "head_dim"))
+            self.v_bias = layers.const_param(jnp.zeros((kv, h), pd), ("kv_heads", "head_dim"))
+        if m.qk_norm:
+            self.q_norm = layers.RMSNorm(h, eps=m.norm_eps, dtype=pd)
+            self.k_norm = layers.RMSNorm(h, eps=m.norm_eps, dtype=pd)
+        self.has_bias, self.qk_norm = bool(m.attention_bias), bool(m.qk_norm)
+        self.rope_cfg = m.rope
+        self.head_dim = h
+        self.impl = m.attention_impl
+        self.compute_dtype = layers.dtype_of(m.compute_dtype)
+        self.rules = rules
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        *,
+        segment_ids_BT: jax.Array | None = None,
+        cache: dict | None = None,
+    ) -> tuple[jax.Array, dict | None]:
+        cdt = self.compute_dtype
+        x_BTD = x_BTD.astype(cdt)
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q.value.astype(cdt))
+        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k.value.astype(cdt))
+        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v.value.astype(cdt))
+        if self.has_bias:
+            q_BTNH = q_BTNH + self.q_bias.value.astype(cdt)[None, None]
+            k_BTKH = k_BTKH + self.k_bias.value.astype(cdt)[None, None]
+            v_BTKH = v_BTKH + self.v_bias.value.astype(cdt)[None, None]
+        if self.qk_norm:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        cos, sin = rope.cos_sin(positions_BT, self.head_dim, self.rope_cfg)
+        q_BTNH, k_BTKH = rope.apply_rope(q_BTNH, cos, sin), rope.apply_rope(k_BTKH, cos, sin)
+        act = ("act_batch", "act_length", "act_heads", None)
+        q_BTNH = sharding.constrain(q_BTNH, act, self.rules)
+        if cache is None:
+            kv_act = ("act_batch", "act_length", "act_kv_heads", None)
+            k_BTKH = sharding.constrain(k_BTKH, kv_act, self.rules)
+            v_BTKH = sharding.constrain(v_BTKH, kv_act, self.rules)
+            fn = ATTENTION_IMPLS[self.impl]
+            o_BTNH = fn(q_BTNH, k_BTKH, v_BTKH, causal=True, segment_ids=segment_ids_BT)
+        else:
+            k_cache = write_cache(cache["k"], k_BTKH, cache["index"])
+            v_cache = write_cache(cache["v"], v_BTKH, cache["index"])
+            o_BTNH = cached_attention(
+                q_BTNH, k_cache.astype(cdt), v_cache.astype(cdt), cache["index"],
+                num_new=x_BTD.shape[1],
+            )
+            cache = {"k": k_cache, "v": v_cache, "index": cache["index"]}
+        o_BTNH = sharding.constrain(o_BTNH.astype(cdt), act, self.rules)
+        y_BTD = jnp.einsum("btnh,nhd->btd", o_BTNH, self.o.value.astype(cdt))
+        return y_BTD, cache

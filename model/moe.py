@@ -1,0 +1,216 @@
+"""Mixture-of-Experts block: f32 router, top-k dispatch (dropless ragged or capacity), shared experts.
+
+Dimension key: B batch, T tokens, D model width, F expert width, E experts, k experts per token,
+C capacity slots per expert (per sequence), A = T * k assignments.
+
+Routers:
+- softmax: probs = softmax(logits); the top-k probs are the combine weights (optionally renormalised).
+- sigmoid (DeepSeek-V3): scores = sigmoid(logits); experts are *selected* by scores + bias, where the bias
+  is an `ExpertBias` variable nudged toward balance by `update_expert_bias` (aux-loss-free); combine weights
+  are the unbiased scores of the chosen experts, renormalised, times `routed_scaling`.
+
+Dispatch:
+- ragged: assignments sorted by expert, `jax.lax.ragged_dot` over contiguous groups; drops nothing.
+- capacity: per sequence, each expert gets C = ceil(capacity_factor * T * k / E) slots; assignments past
+  C (in token order) are dropped and counted; one batched matmul per expert. With C >= T nothing drops and
+  the output equals ragged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from model import layers, sharding
+
+
+class ExpertBias(nnx.Variable):
+    """Selection bias of aux-loss-free balancing: changed by `update_expert_bias`, not by gradients."""
+
+
+def route(
+    logits_TE: jax.Array,
+    *,
+    router: str,
+    top_k: int,
+    renormalize: bool,
+    bias_E: jax.Array | None = None,
+    forced_idx_Tk: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (combine weights [T, k], expert indices [T, k], routing probabilities [T, E]).
+
+    `forced_idx_Tk` (routing replay) fixes which experts are used; weights still come from the
+    current logits so gradients flow to the router.
+    """
+    logits_TE = logits_TE.astype(jnp.float32)
+    if router == "softmax":
+        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+        select_TE = probs_TE
+    elif router == "sigmoid":
+        probs_TE = jax.nn.sigmoid(logits_TE)
+        select_TE = probs_TE if bias_E is None else probs_TE + bias_E[None, :]
+    else:
+        raise ValueError(f"model.moe.router={router!r}; choose softmax or sigmoid")
+    if forced_idx_Tk is None:
+        _, idx_Tk = jax.lax.top_k(jax.lax.stop_gradient(select_TE), top_k)
+    else:
+        idx_Tk = forced_idx_Tk.astype(jnp.int32)
+    w_Tk = jnp.take_along_axis(probs_TE, idx_Tk, axis=-1)
+    if renormalize:
+        w_Tk = w_Tk / (jnp.sum(w_Tk, axis=-1, keepdims=True) + 1e-20)
+    return w_Tk, idx_Tk, probs_TE
+
+
+def load_balance_loss(probs_TE: jax.Array, idx_Tk: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:
+    """Switch-Transformer loss E * sum_e f_e * P_e and the load fractions f_e.
+
+    f_e: fraction of the T*k assignments sent to e (not differentiable); P_e: mean routing probability
+    of e (scores normalised per token for the sigmoid router). Uniform routing gives exactly 1.
+    """
+    num_experts = probs_TE.shape[-1]
+    counts_E = jnp.zeros((num_experts,), jnp.float32).at[idx_Tk.reshape(-1)].add(1.0)
+    f_E = counts_E / idx_Tk.size
+    if router == "sigmoid":
+        probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
+    p_E = jnp.mean(probs_TE, axis=0)
+    return num_experts * jnp.sum(f_E * p_E), f_E
+
+
+def z_loss(logits_TE: jax.Array) -> jax.Array:
+    """Router z-loss: mean squared log-partition function (keeps router logits small)."""
+    return jnp.mean(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2)
+
+
+def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded ones."""
+    target = 1.0 / bias_E.shape[-1]
+    return bias_E + rate * jnp.sign(target - load_E)
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    return max(1, math.ceil(factor * tokens * top_k / num_experts))
+
+
+def _swiglu_experts_dense(x_ECD, gate_EDF, up_EDF, down_EFD):
+    g = jnp.einsum("...ecd,edf->...ecf", x_ECD, gate_EDF)
+    u = jnp.einsum("...ecd,edf->...ecf", x_ECD, up_EDF)
+    return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(g) * u, down_EFD)
+
+
+def ragged_dispatch(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.Array:
+    """Dropless: sort assignments by expert, grouped matmuls, unsort, weight and sum over k."""
+    t, k = idx_Tk.shape
+    num_experts = gate_EDF.shape[0]
+    flat_e_A = idx_Tk.reshape(-1)
+    order_A = jnp.argsort(flat_e_A, stable=True)
+    inverse_A = jnp.argsort(order_A)
+    x_AD = jnp.take(x_TD, order_A // k, axis=0)
+    sizes_E = jnp.bincount(flat_e_A, length=num_experts).astype(jnp.int32)
+    g_AF = jax.lax.ragged_dot(x_AD, gate_EDF, sizes_E)
+    u_AF = jax.lax.ragged_dot(x_AD, up_EDF, sizes_E)
+    y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, down_EFD, sizes_E)
+    y_TkD = jnp.take(y_AD, inverse_A, axis=0).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
+
+
+def capacity_slots(idx_Tk: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+    """Slot e * C + position of each assignment (E * C when dropped), and the kept mask [A]."""
+    a = idx_Tk.size
+    flat_e_A = idx_Tk.reshape(-1)
+    order_A = jnp.argsort(flat_e_A, stable=True)
+    sizes_E = jnp.bincount(flat_e_A, length=num_experts)
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    pos_sorted_A = jnp.arange(a) - start_E[flat_e_A[order_A]]
+    pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(pos_sorted_A.astype(jnp.int32))
+    kept_A = pos_A < cap
+    slot_A = jnp.where(kept_A, flat_e_A * cap + pos_A, num_experts * cap)
+    return slot_A, kept_A
+
+
+def capacity_dispatch(x_TD, idx_Tk, num_experts: int, cap: int):
+    """One sequence: gather tokens into [E, C, D] slots; returns them, each assignment's slot, kept."""
+    t, k = idx_Tk.shape
+    d = x_TD.shape[-1]
+    slot_A, kept_A = capacity_slots(idx_Tk, num_experts, cap)
+    token_A = jnp.arange(t * k, dtype=jnp.int32) // k
+    # slot -> token (T, a zero row, for empty slots); integer bookkeeping, no gradient.
+    slot_token = jnp.full((num_experts * cap + 1,), t, jnp.int32).at[slot_A].set(token_A)
+    x_pad = jnp.concatenate([x_TD, jnp.zeros((1, d), x_TD.dtype)], axis=0)
+    x_ECD = jnp.take(x_pad, slot_token[:-1], axis=0).reshape(num_experts, cap, d)
+    return x_ECD, slot_A, kept_A
+
+
+def combine_slots(y_ECD, slot_A, w_Tk) -> jax.Array:
+    t, k = w_Tk.shape
+    d = y_ECD.shape[-1]
+    y_pad = jnp.concatenate([y_ECD.reshape(-1, d), jnp.zeros((1, d), y_ECD.dtype)], axis=0)
+    y_TkD = jnp.take(y_pad, slot_A, axis=0).reshape(t, k, d)
+    return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, m: ml_collections.ConfigDict, rules, *, rngs: nnx.Rngs):
+        e = m.moe
+        d, f, n = m.d_model, e.d_ff, e.num_experts
+        pd = m.param_dtype
+        self.router = layers.param(rngs, (d, n), ("embed", None), std=d**-0.5, dtype=jnp.float32)
+        self.gate = layers.param(rngs, (n, d, f), ("exp", "embed", "mlp"), std=d**-0.5, dtype=pd)
+        self.up = layers.param(rngs, (n, d, f), ("exp", "embed", "mlp"), std=d**-0.5, dtype=pd)
+        self.down = layers.param(rngs, (n, f, d), ("exp", "mlp", "embed"), std=f**-0.5, dtype=pd)
+        if e.router == "sigmoid":
+            self.expert_bias = ExpertBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,))
+        if e.num_shared_experts:
+            self.shared = layers.MLP(m, e.shared_d_ff * e.num_shared_experts, rules, rngs=rngs)
+        self.moe = e
+        self.compute_dtype = layers.dtype_of(m.compute_dtype)
+        self.rules = rules
+
+    def __call__(
+        self, x_BTD: jax.Array, *, expert_indices_BTk: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        e, cdt, rules = self.moe, self.compute_dtype, self.rules
+        b, t, d = x_BTD.shape
+        n = e.num_experts
+        logits_BTE = jnp.einsum(
+            "btd,de->bte", x_BTD.astype(jnp.float32), self.router.value.astype(jnp.float32)
+        )
+        bias = self.expert_bias.value if e.router == "sigmoid" else None
+        forced = None if expert_indices_BTk is None else expert_indices_BTk.reshape(b * t, -1)
+        w_Tk, idx_Tk, probs_TE = route(
+            logits_BTE.reshape(b * t, n), router=e.router, top_k=e.top_k,
+            renormalize=e.renormalize, bias_E=bias, forced_idx_Tk=forced,
+        )
+        w_Tk = w_Tk * e.routed_scaling
+        gate, up, down = (p.value.astype(cdt) for p in (self.gate, self.up, self.down))
+        x_BTD = x_BTD.astype(cdt)
+        if e.impl == "ragged":
+            y_TD = ragged_dispatch(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
+            y_BTD = y_TD.reshape(b, t, d)
+            dropped = jnp.zeros((), jnp.float32)
+        else:
+            cap = capacity(t, e.top_k, n, e.capacity_factor)
+            idx_BTk, w_BTk = idx_Tk.reshape(b, t, -1), w_Tk.reshape(b, t, -1)
+            dispatch = jax.vmap(lambda x, i: capacity_dispatch(x, i, n, cap))
+            x_BECD, slot_BA, kept_BA = dispatch(x_BTD, idx_BTk)
+            # Tokens stay sharded over batch; experts over `expert` (an all-to-all under GSPMD).
+            x_BECD = sharding.constrain(x_BECD, ("act_tokens", "act_exp", None, None), rules)
+            y_BECD = _swiglu_experts_dense(x_BECD, gate, up, down)
+            y_BECD = sharding.constrain(y_BECD, ("act_tokens", "act_exp", None, None), rules)
+            y_BTD = jax.vmap(combine_slots)(y_BECD, slot_BA, w_BTk)
+            dropped = jnp.sum(1.0 - kept_BA.astype(jnp.float32))
+        if e.num_shared_experts:
+            y_BTD = y_BTD + self.shared(x_BTD)
+        lb, load_E = load_balance_loss(probs_TE, idx_Tk, e.router)
+        aux = {
+            "load_balance_loss": lb,
+            "router_z_loss": z_loss(logits_BTE.reshape(b * t, n)),
+            "expert_load": load_E,
+            "dropped_tokens": dropped,
+            "dropped_fraction": dropped / (b * t * e.top_k),
+            "expert_indices": idx_Tk.reshape(b, t, -1),
+        }
+        return y_BTD.astype(cdt), aux

@@ -1,0 +1,259 @@
+"""Decoder-only MoE transformer (pre-norm, GQA, RoPE, SwiGLU or MoE MLP) and `build`.
+
+Dimension key: B batch, T tokens, S cache slots, D model width, V vocab, L layers, K kv heads,
+H head dim, k experts per token.
+
+Layers come in two groups: `dense_layers` (the first `moe.first_dense_layers`, or all layers of a dense
+model) and `moe_layers`. With `scan_layers` each group holds stacked parameters (leading `layers` axis)
+and runs under one `lax.scan`, so a layer is compiled once; otherwise it is a list of blocks. Both
+initialise layer i from the same key, so they hold the same parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from model import config as config_lib
+from model import layers, sharding
+from model.attention import Attention
+from model.moe import MoEBlock
+
+ACT = ("act_batch", "act_length", "act_embed")
+REMAT_POLICIES = {
+    "full": None,  # save nothing; recompute the whole layer in the backward pass
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ml_collections.ConfigDict, *, use_moe: bool, rngs: nnx.Rngs):
+        m = cfg.model
+        rules = tuple(cfg.mesh.rules)
+        self.attn_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, dtype=m.param_dtype)
+        self.attn = Attention(m, rules, rngs=rngs)
+        self.mlp_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, dtype=m.param_dtype)
+        if use_moe:
+            self.mlp = MoEBlock(m, rules, rngs=rngs)
+        else:
+            self.mlp = layers.MLP(m, m.d_ff, rules, rngs=rngs)
+        self.use_moe = use_moe
+        self.rules = rules
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, cache, expert_indices_BTk):
+        h_BTD, cache = self.attn(
+            self.attn_norm(x_BTD), positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
+        )
+        x_BTD = x_BTD + h_BTD.astype(x_BTD.dtype)
+        if self.use_moe:
+            y_BTD, aux = self.mlp(self.mlp_norm(x_BTD), expert_indices_BTk=expert_indices_BTk)
+        else:
+            y_BTD, aux = self.mlp(self.mlp_norm(x_BTD)), {}
+        x_BTD = sharding.constrain(x_BTD + y_BTD.astype(x_BTD.dtype), ACT, self.rules)
+        return x_BTD, aux, cache
+
+
+def _add_layer_axis(v: nnx.Variable) -> nnx.Variable:
+    return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))
+
+
+class LayerStack(nnx.Module):
+    """`num` identical blocks: stacked and scanned, or a plain list."""
+
+    def __init__(self, cfg, *, use_moe: bool, num: int, key: jax.Array):
+        keys = jax.random.split(key, num)
+        make = lambda k: Block(cfg, use_moe=use_moe, rngs=nnx.Rngs(params=k))
+        self.scan = bool(cfg.model.scan_layers)
+        self.remat = cfg.model.remat
+        if self.scan:
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(keys[0])))
+            stacked = jax.vmap(lambda k: nnx.state(make(k)))(keys)
+            stacked = jax.tree.map(
+                _add_layer_axis, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            )
+            self.blocks = nnx.merge(graphdef, stacked)
+        else:
+            self.blocks = nnx.List([make(keys[i]) for i in range(num)])
+
+    def _maybe_remat(self, fn):
+        if self.remat == "none":
+            return fn
+        return jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan)
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, cache, expert_indices_LBTk):
+        def run(block, x, layer_cache, idx):
+            return block(x, positions_BT, segment_ids_BT, layer_cache, idx)
+
+        if self.scan:
+            graphdef, state = nnx.split(self.blocks)
+
+            def body(x, xs):
+                layer_state, layer_cache, idx = xs
+                x, aux, layer_cache = run(nnx.merge(graphdef, layer_state), x, layer_cache, idx)
+                return x, (aux, layer_cache)
+
+            body = self._maybe_remat(body)
+            x_BTD, (aux, cache) = jax.lax.scan(body, x_BTD, (state, cache, expert_indices_LBTk))
+            return x_BTD, aux, cache
+        auxes, caches = [], []
+        for i, block in enumerate(self.blocks):
+            take = lambda tree, i=i: jax.tree.map(lambda a: a[i], tree)
+            step = self._maybe_remat(functools.partial(run, block))
+            x_BTD, aux, layer_cache = step(x_BTD, take(cache), take(expert_indices_LBTk))
+            auxes.append(aux)
+            caches.append(layer_cache)
+        stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
+        return x_BTD, stack(auxes), (None if cache is None else stack(caches))
+
+
+class Transformer(nnx.Module):
+    """`__call__(tokens_BT, positions_BT, *, segment_ids=None, kv_cache=None, expert_indices=None)`
+    returns `(logits_BTV in f32, aux)`. `aux` holds the MoE losses (`moe_loss` is the weighted sum to
+    add to a training loss), per-layer expert load, dropped tokens, the chosen experts
+    (`expert_indices [L_moe, B, T, k]`, to replay routing), and `kv_cache` when one was passed.
+    """
+
+    def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+        config_lib.validate_model(cfg.model)
+        cfg = ml_collections.FrozenConfigDict(cfg)  # hashable: stored in the graph definition
+        m = cfg.model
+        self.cfg = cfg
+        self.rules = tuple(cfg.mesh.rules)
+        self.embed = layers.Embed(m, rngs=rngs)
+        self.num_dense = m.num_layers if not m.moe.num_experts else m.moe.first_dense_layers
+        self.num_moe = m.num_layers - self.num_dense
+        key = rngs.params()
+        self.dense_layers = (
+            LayerStack(cfg, use_moe=False, num=self.num_dense, key=jax.random.fold_in(key, 0))
+            if self.num_dense
+            else None
+        )
+        self.moe_layers = (
+            LayerStack(cfg, use_moe=True, num=self.num_moe, key=jax.random.fold_in(key, 1))
+            if self.num_moe
+            else None
+        )
+        self.final_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, dtype=m.param_dtype)
+        if not m.tie_embeddings:
+            self.unembed = layers.param(
+                rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), std=m.d_model**-0.5,
+                dtype=m.param_dtype,
+            )
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
+        """A contiguous KV cache for `max_len` positions per row, empty (index 0)."""
+        m = self.cfg.model
+        dtype = dtype or m.compute_dtype
+
+        def group(num):
+            if not num:
+                return None
+            shape = (num, batch, max_len, m.num_kv_heads, m.head_dim)
+            return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+        return {
+            "dense": group(self.num_dense),
+            "moe": group(self.num_moe),
+            "index": jnp.zeros((batch,), jnp.int32),
+        }
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        kv_cache: dict | None = None,
+        expert_indices: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict]:
+        m = self.cfg.model
+        b, t = tokens_BT.shape
+        if positions_BT is None:
+            start = 0 if kv_cache is None else kv_cache["index"][:, None]
+            positions_BT = start + jnp.arange(t, dtype=jnp.int32)[None, :]
+        positions_BT = jnp.broadcast_to(positions_BT, (b, t))
+        x_BTD = sharding.constrain(self.embed(tokens_BT), ACT, self.rules)
+
+        def layer_cache(name):
+            if kv_cache is None:
+                return None
+            c = kv_cache[name]
+            index = jnp.broadcast_to(kv_cache["index"], (c["k"].shape[0], b))
+            return {"k": c["k"], "v": c["v"], "index": index}
+
+        new_cache = {}
+        moe_aux = {}
+        if self.dense_layers is not None:
+            x_BTD, _, new_cache["dense"] = self.dense_layers(
+                x_BTD, positions_BT, segment_ids, layer_cache("dense"), None
+            )
+        if self.moe_layers is not None:
+            x_BTD, moe_aux, new_cache["moe"] = self.moe_layers(
+                x_BTD, positions_BT, segment_ids, layer_cache("moe"), expert_indices
+            )
+        x_BTD = self.final_norm(x_BTD)
+        if m.tie_embeddings:
+            logits_BTV = self.embed.attend(x_BTD)
+        else:
+            w_DV = self.unembed.value.astype(x_BTD.dtype)
+            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, w_DV, preferred_element_type=jnp.float32)
+        logits_BTV = sharding.constrain(
+            logits_BTV.astype(jnp.float32), ("act_batch", "act_length", "act_vocab"), self.rules
+        )
+        aux = summarize_aux(moe_aux, m.moe)
+        if kv_cache is not None:
+            aux["kv_cache"] = {
+                "dense": _strip_index(new_cache.get("dense")),
+                "moe": _strip_index(new_cache.get("moe")),
+                "index": kv_cache["index"] + t,
+            }
+        return logits_BTV, aux
+
+
+def _strip_index(c):
+    return None if c is None else {"k": c["k"], "v": c["v"]}
+
+
+def summarize_aux(moe_aux: dict, moe_cfg) -> dict:
+    """Per-layer MoE statistics [L_moe, ...] -> means over layers, plus the weighted `moe_loss`."""
+    if not moe_aux:
+        zero = jnp.zeros((), jnp.float32)
+        return {"moe_loss": zero, "load_balance_loss": zero, "router_z_loss": zero}
+    lb = jnp.mean(moe_aux["load_balance_loss"])
+    z = jnp.mean(moe_aux["router_z_loss"])
+    return {
+        "moe_loss": moe_cfg.load_balance_weight * lb + moe_cfg.z_loss_weight * z,
+        "load_balance_loss": lb,
+        "router_z_loss": z,
+        "expert_load": moe_aux["expert_load"],
+        "dropped_tokens": jnp.sum(moe_aux["dropped_tokens"]),
+        "dropped_fraction": jnp.mean(moe_aux["dropped_fraction"]),
+        "expert_indices": moe_aux["expert_indices"],
+    }
+
+
+def build(
+    cfg: ml_collections.ConfigDict, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None
+) -> Transformer:
+    """Builds the model; with a mesh, every parameter is created directly with its sharding."""
+    config_lib.validate(cfg, None if mesh is None else mesh.size)
+    make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    if mesh is None:
+        return make()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = sharding.state_shardings(abstract, mesh, cfg.mesh.rules)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def next_token_loss(logits_BTV: jax.Array, tokens_BT: jax.Array, mask_BT=None) -> jax.Array:
+    """Mean cross-entropy of predicting tokens[:, 1:] from logits[:, :-1]."""
+    logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
+    nll_BT = -jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+    mask = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT[:, 1:].astype(nll_BT.dtype)
+    return jnp.sum(nll_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)

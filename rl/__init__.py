@@ -1,0 +1,1 @@
+"""GRPO trainer, rollout pipeline and domain curriculum (issue 6)."""
