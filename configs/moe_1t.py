@@ -3,7 +3,7 @@
 Trillion-parameter class (Kimi-K2-like geometry with GQA instead of MLA): 61 layers, d_model 7168,
 the first layer dense (width 18432), then 384 routed experts (top-8, width 2048) plus 1 shared expert,
 sigmoid routing with an aux-loss-free selection bias, 64 query / 8 kv heads of 128, vocab 163840,
-YaRN RoPE (x32 from 4k). ~1.04T total, ~34B active parameters.
+YaRN RoPE (x32 from 4k). ~1.03T total, ~35B active parameters.
 """
 
 from configs import base
@@ -42,6 +42,7 @@ def get_config(arg: str | None = None):
     cfg.mesh.shape.fsdp = 32
     cfg.mesh.shape.expert = 64
     cfg.mesh.shape.tensor = 4
-    cfg.batch_size = 2048
-    cfg.seq_len = 8192
+    # One 4k-token sequence per data*fsdp*expert shard: 16384 x 4096 = 67M tokens per step.
+    cfg.batch_size = 16_384
+    cfg.seq_len = 4096
     return cfg

@@ -36,7 +36,5 @@ def get_config(arg: str | None = None):
         elif a.startswith("experts="):
             m.moe.num_experts = int(a.split("=", 1)[1])
         elif a:
-            raise ValueError(
-                f"configs/small.py: unknown argument {a!r}; use dense, capacity or experts=N"
-            )
+            raise ValueError(f"configs/small.py: unknown argument {a!r}; use dense, capacity or experts=N")
     return cfg

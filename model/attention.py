@@ -28,9 +28,7 @@ def _attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum(
-        "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-    ) * (h**-0.5)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * (h**-0.5)
     mask = mask_BTS[:, None, None, :, :]
     scores = jnp.where(mask, scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -85,15 +83,9 @@ class Attention(nnx.Module):
         d, n, kv, h = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
         pd = m.param_dtype
         self.q = layers.param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std=d**-0.5, dtype=pd)
-        self.k = layers.param(
-            rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), std=d**-0.5, dtype=pd
-        )
-        self.v = layers.param(
-            rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), std=d**-0.5, dtype=pd
-        )
-        self.o = layers.param(
-            rngs, (n, h, d), ("heads", "head_dim", "embed"), std=(n * h) ** -0.5, dtype=pd
-        )
+        self.k = layers.param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), std=d**-0.5, dtype=pd)
+        self.v = layers.param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), std=d**-0.5, dtype=pd)
+        self.o = layers.param(rngs, (n, h, d), ("heads", "head_dim", "embed"), std=(n * h) ** -0.5, dtype=pd)
         if m.attention_bias:
             self.q_bias = layers.const_param(jnp.zeros((n, h), pd), ("heads", "head_dim"))
             self.k_bias = layers.const_param(jnp.zeros((kv, h), pd), ("kv_heads", "head_dim"))
@@ -141,7 +133,10 @@ class Attention(nnx.Module):
             k_cache = write_cache(cache["k"], k_BTKH, cache["index"])
             v_cache = write_cache(cache["v"], v_BTKH, cache["index"])
             o_BTNH = cached_attention(
-                q_BTNH, k_cache.astype(cdt), v_cache.astype(cdt), cache["index"],
+                q_BTNH,
+                k_cache.astype(cdt),
+                v_cache.astype(cdt),
+                cache["index"],
                 num_new=x_BTD.shape[1],
             )
             cache = {"k": k_cache, "v": v_cache, "index": cache["index"]}

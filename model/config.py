@@ -29,10 +29,21 @@ def _divides(field: str, value: int, by_field: str, by: int, fix: str) -> None:
 def validate_model(m: ml_collections.ConfigDict) -> None:
     from model.attention import ATTENTION_IMPLS  # late: attention imports this module's users
 
-    for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
+    for f in (
+        "vocab_size",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "d_ff",
+    ):
         _check(int(m[f]) > 0, f"model.{f}={m[f]} must be positive")
     _divides(
-        "model.num_heads", m.num_heads, "model.num_kv_heads", m.num_kv_heads,
+        "model.num_heads",
+        m.num_heads,
+        "model.num_kv_heads",
+        m.num_kv_heads,
         "set num_heads to a multiple of num_kv_heads (GQA shares each kv head among a group)",
     )
     _check(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE; use an even size")
@@ -62,7 +73,10 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
             f"model.moe.top_k={e.top_k} must be between 1 and model.moe.num_experts={e.num_experts}",
         )
         _check(e.impl in MOE_IMPLS, f"model.moe.impl={e.impl!r} is unknown; choose one of {MOE_IMPLS}")
-        _check(e.router in ROUTERS, f"model.moe.router={e.router!r} is unknown; choose one of {ROUTERS}")
+        _check(
+            e.router in ROUTERS,
+            f"model.moe.router={e.router!r} is unknown; choose one of {ROUTERS}",
+        )
         _check(e.d_ff > 0, f"model.moe.d_ff={e.d_ff} must be positive")
         _check(
             e.capacity_factor > 0,
@@ -93,7 +107,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     expert, tensor = shape["expert"], shape["tensor"]
     if m.moe.num_experts:
         _divides(
-            "model.moe.num_experts", m.moe.num_experts, "mesh.shape.expert", expert,
+            "model.moe.num_experts",
+            m.moe.num_experts,
+            "mesh.shape.expert",
+            expert,
             "make the expert count a multiple of the expert axis (or shrink the expert axis)",
         )
     if tensor > 1:
@@ -101,12 +118,25 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
         _divides("model.num_heads", m.num_heads, "mesh.shape.tensor", tensor, fix)
         _divides("model.num_kv_heads", m.num_kv_heads, "mesh.shape.tensor", tensor, fix)
         _divides("model.vocab_size", m.vocab_size, "mesh.shape.tensor", tensor, fix)
-        _divides("model.d_ff", m.d_ff, "mesh.shape.tensor", tensor, fix)
+        if not m.moe.num_experts or m.moe.first_dense_layers:
+            _divides("model.d_ff", m.d_ff, "mesh.shape.tensor", tensor, fix)
         if m.moe.num_experts:
             _divides("model.moe.d_ff", m.moe.d_ff, "mesh.shape.tensor", tensor, fix)
+            if m.moe.num_shared_experts:
+                shared = m.moe.shared_d_ff * m.moe.num_shared_experts
+                _divides(
+                    "model.moe.shared_d_ff * num_shared_experts",
+                    shared,
+                    "mesh.shape.tensor",
+                    tensor,
+                    fix,
+                )
     if shape["fsdp"] > 1:
         _divides(
-            "model.d_model", m.d_model, "mesh.shape.fsdp", shape["fsdp"],
+            "model.d_model",
+            m.d_model,
+            "mesh.shape.fsdp",
+            shape["fsdp"],
             "shrink mesh.shape.fsdp or change d_model",
         )
     return shape

@@ -24,9 +24,7 @@ def resolve_mesh_shape(shape: dict, num_devices: int) -> dict[str, int]:
     """Mesh axis sizes with a `-1` axis filled in; errors name the field and the fix."""
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
-        raise ValueError(
-            f"mesh.shape has unknown axes {sorted(unknown)}; the mesh axes are {MESH_AXES}"
-        )
+        raise ValueError(f"mesh.shape has unknown axes {sorted(unknown)}; the mesh axes are {MESH_AXES}")
     sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:

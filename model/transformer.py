@@ -72,9 +72,7 @@ class LayerStack(nnx.Module):
         if self.scan:
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(keys[0])))
             stacked = jax.vmap(lambda k: nnx.state(make(k)))(keys)
-            stacked = jax.tree.map(
-                _add_layer_axis, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable)
-            )
+            stacked = jax.tree.map(_add_layer_axis, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
             self.blocks = nnx.merge(graphdef, stacked)
         else:
             self.blocks = nnx.List([make(keys[i]) for i in range(num)])
@@ -140,7 +138,10 @@ class Transformer(nnx.Module):
         self.final_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, dtype=m.param_dtype)
         if not m.tie_embeddings:
             self.unembed = layers.param(
-                rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), std=m.d_model**-0.5,
+                rngs,
+                (m.d_model, m.vocab_size),
+                ("embed", "vocab"),
+                std=m.d_model**-0.5,
                 dtype=m.param_dtype,
             )
 

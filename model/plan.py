@@ -1,0 +1,311 @@
+"""python -m model.plan --config=configs/moe_1t.py --mesh=data:8,fsdp:32,expert:64,tensor:4
+
+Memory and compute planner: parameter counts, matmul FLOPs per token and bytes per device, read from
+the abstract model (`nnx.eval_shape`). Nothing of model size is allocated and no device mesh is
+built: the mesh is a dict of axis sizes, so a 65536-device plan runs on a laptop in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from flax import nnx
+from ml_collections import ConfigDict
+
+from model import sharding
+from model.transformer import Transformer
+
+EMBED_PATH = ("embed", "embedding")
+UNEMBED_PATH = ("unembed",)
+
+
+def abstract_params(cfg: ConfigDict) -> nnx.State:
+    """The model's `nnx.Param` state as ShapeDtypeStructs with `logical_axes`; allocates nothing.
+
+    Non-Param variables (the sigmoid router's `ExpertBias`, num_experts f32 per MoE layer) are left
+    out of every figure here: they are kilobytes and have no gradient or optimizer state.
+    """
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.state(model, nnx.Param)
+
+
+def _is_expert(v: nnx.Variable) -> bool:
+    return "exp" in v.get_metadata()["logical_axes"]
+
+
+def _count(cfg: ConfigDict, state: nnx.State) -> dict[str, int]:
+    moe = cfg.model.moe
+    out = dict.fromkeys(("total", "active", "embedding", "unembedding", "experts"), 0)
+    for path, v in nnx.to_flat_state(state):
+        size = math.prod(v.shape)
+        out["total"] += size
+        if _is_expert(v):  # the `exp` dim holds num_experts whole experts; top_k run per token
+            out["experts"] += size
+            out["active"] += size * moe.top_k // moe.num_experts
+        else:
+            out["active"] += size
+        if tuple(path) == EMBED_PATH:
+            out["embedding"] += size
+        elif tuple(path) == UNEMBED_PATH:
+            out["unembedding"] += size
+    return out
+
+
+def count_params(cfg: ConfigDict) -> dict[str, int]:
+    """Parameter counts.
+
+    total: every `nnx.Param`. active: the parameters one token touches, routed experts (logical
+    axes containing 'exp') at top_k/num_experts of their size, everything else in full, input
+    embedding and untied unembedding included. embedding: the input table. unembedding: the output
+    projection (0 when tied). experts: all routed-expert weights.
+    """
+    return _count(cfg, abstract_params(cfg))
+
+
+def _flops(cfg: ConfigDict, counts: dict, seq_len: int, training: bool) -> float:
+    m = cfg.model
+    # The input embedding is a gather; a tied table still counts once, as the output projection.
+    matmul_params = counts["active"] - (0 if m.tie_embeddings else counts["embedding"])
+    attention = 2 * 2 * m.num_layers * m.num_heads * m.head_dim * seq_len / 2
+    forward = 2.0 * matmul_params + attention
+    return 3.0 * forward if training else forward
+
+
+def flops_per_token(cfg: ConfigDict, seq_len: int, *, training: bool = True) -> float:
+    """Matmul FLOPs per token, the numerator of MFU:
+
+        forward  = 2 * P_matmul + 2 * 2 * num_layers * num_heads * head_dim * seq_len / 2
+        training = 3 * forward   (the backward pass costs twice the forward)
+
+    P_matmul is `count_params(cfg)['active']` less the input embedding (a gather, not a matmul;
+    a tied table counts once, as the output projection). Norm scales (elementwise, < 0.01%) stay in
+    P_matmul for simplicity. The attention term is QK^T and PV, 2 FLOPs per multiply-add, over
+    `seq_len` keys, halved because a causal query sees half of them on average.
+    """
+    return _flops(cfg, count_params(cfg), seq_len, training)
+
+
+def mesh_sizes(mesh_shape: Mapping[str, int]) -> dict[str, int]:
+    """Sizes of all mesh axes: those not given are 1, and so is a `-1` axis (no devices to fill)."""
+    shape = {a: int(s) for a, s in mesh_shape.items()}
+    return sharding.resolve_mesh_shape(shape, math.prod(s for s in shape.values() if s != -1))
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`'data:8,fsdp:32'` -> sizes of all mesh axes (the `--mesh` flag)."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item]
+        return mesh_sizes({axis.strip(): int(size) for axis, size in pairs})
+    except ValueError as err:
+        msg = f"--mesh={text!r}: expected axis:size,... over {sharding.MESH_AXES}; {err}"
+        raise ValueError(msg) from None
+
+
+class Shard(NamedTuple):
+    bytes_per_device: int
+    even: bool  # every dim divides over its mesh axes (what `build` on a real mesh requires)
+    expert: bool  # a routed-expert weight
+
+
+def _num_shards(entry, sizes: dict[str, int]) -> int:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(sizes[a] for a in axes)
+
+
+def param_bytes_per_device(
+    cfg: ConfigDict, mesh_shape: Mapping[str, int], state: nnx.State | None = None
+) -> dict[str, Shard]:
+    """'/'-joined parameter path -> `Shard` (its bytes on one device, evenness, expert or not).
+
+    The PartitionSpec comes from the parameter's `logical_axes` and cfg.mesh.rules; each dim is
+    split over the product of its mesh axes' sizes, rounded up when uneven. Bytes use the
+    parameter's own dtype (param_dtype, except the router, which is always f32).
+    """
+    sizes, rules = mesh_sizes(mesh_shape), tuple(cfg.mesh.rules)
+    out = {}
+    for path, v in nnx.to_flat_state(abstract_params(cfg) if state is None else state):
+        spec = sharding.logical_to_spec(v.get_metadata()["logical_axes"], rules)
+        shards = [_num_shards(entry, sizes) for entry in spec]
+        local = math.prod(-(-dim // n) for dim, n in zip(v.shape, shards))
+        even = all(dim % n == 0 for dim, n in zip(v.shape, shards))
+        nbytes = local * jnp.dtype(v.dtype).itemsize
+        out["/".join(map(str, path))] = Shard(nbytes, even, _is_expert(v))
+    return out
+
+
+def _layer_elems_per_token(m: ConfigDict, tp: int, moe: bool) -> tuple[int, int]:
+    """(matmul outputs that `dots_saveable` keeps, other intermediates) of one layer per token."""
+    d, e = m.d_model, m.moe
+    heads, kv = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
+    saved = (heads + 2 * kv) * m.head_dim + d  # q, k, v projections; output projection
+    other = 2 * d + heads * m.head_dim  # the two normed inputs; attention output
+    if not moe:
+        f = -(-m.d_ff // tp)
+        return saved + 2 * f + d, other + f  # gate, up, down outputs; silu(gate) * up
+    fe, fs = -(-e.d_ff // tp), -(-(e.shared_d_ff * e.num_shared_experts) // tp)
+    saved += e.num_experts + (2 * fs + d if fs else 0)  # router logits; shared-expert matmuls
+    # Routed experts run as ragged_dot, not dot_general, so dots_saveable keeps none of them.
+    other += e.top_k * (2 * d + 3 * fe) + fs  # per assignment: gathered x, gate, up, product, out
+    return saved, other
+
+
+def activation_bytes_per_device(
+    cfg: ConfigDict, mesh_shape: Mapping[str, int], batch: int, seq_len: int
+) -> int:
+    """Activation bytes of one training step on one device: a simple model, not XLA's figure.
+
+    A device holds b = ceil(batch / (data*fsdp*expert)) rows of t = ceil(seq_len / sequence)
+    tokens. Per token and layer, in compute dtype, heads and widths divided by tp = tensor size:
+      residual        D, the layer's input (the scan carry)
+      matmul outputs  q, k, v and output projections; dense MLP gate, up, down; router logits;
+                      shared-expert matmuls
+      other           normed inputs, attention output, SwiGLU products, routed-expert tensors
+    plus, with attention_impl='reference', the [heads/tp, t, t] f32 probabilities of each row.
+    cfg.model.remat decides what is kept for the backward pass:
+      'full'           every layer's residual + one layer's matmul outputs and other
+      'dots_saveable'  every layer's residual and matmul outputs + one layer's other
+      'none'           every layer's residual, matmul outputs and other
+    and in all cases the f32 logits and log-probabilities, 2 * ceil(V/tp) * 4 bytes per token.
+    """
+    m = cfg.model
+    sizes = mesh_sizes(mesh_shape)
+    tp = sizes["tensor"]
+    rows = -(-batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]))
+    t = -(-seq_len // sizes["sequence"])
+    tokens, c = rows * t, jnp.dtype(m.compute_dtype).itemsize
+    probs = rows * -(-m.num_heads // tp) * t * t * 4 if m.attention_impl == "reference" else 0
+    num_dense = m.num_layers if not m.moe.num_experts else m.moe.first_dense_layers
+    every_layer = one_layer = 0
+    for n, moe in ((num_dense, False), (m.num_layers - num_dense, True)):
+        if not n:
+            continue
+        saved, other = _layer_elems_per_token(m, tp, moe)
+        if m.remat == "none":
+            every_layer += n * (tokens * c * (m.d_model + saved + other) + probs)
+        elif m.remat == "dots_saveable":
+            every_layer += n * tokens * c * (m.d_model + saved)
+            one_layer = max(one_layer, tokens * c * other + probs)
+        else:
+            every_layer += n * tokens * c * m.d_model
+            one_layer = max(one_layer, tokens * c * (saved + other) + probs)
+    logits = 2 * tokens * -(-m.vocab_size // tp) * 4
+    return every_layer + one_layer + logits
+
+
+def plan(
+    cfg: ConfigDict,
+    mesh_shape: Mapping[str, int],
+    batch: int,
+    seq_len: int,
+    *,
+    hbm_gib: float = 95.0,
+) -> dict:
+    """Counts, FLOPs per token and per-device bytes of an AdamW training step, JSON-ready.
+
+    Gradients take the parameters' bytes (same dtype), AdamW's mu and nu twice that (optax keeps
+    them in the parameter dtype). `fits` compares the total with `hbm_gib`; `warnings` lists what
+    a real run on this mesh would reject: dims that do not divide their mesh axes, a batch or a
+    length that does not divide over its shards.
+    """
+    sizes = mesh_sizes(mesh_shape)
+    state = abstract_params(cfg)
+    counts = _count(cfg, state)
+    shards = param_bytes_per_device(cfg, sizes, state)
+    param_bytes = sum(s.bytes_per_device for s in shards.values())
+    activation_bytes = activation_bytes_per_device(cfg, sizes, batch, seq_len)
+    total_bytes = 4 * param_bytes + activation_bytes  # parameters, gradients, mu, nu
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    warnings = [f"{p} does not divide over its mesh axes" for p, s in shards.items() if not s.even]
+    if batch % batch_shards:
+        warnings.append(f"batch {batch} does not divide over data*fsdp*expert = {batch_shards}")
+    if seq_len % sizes["sequence"]:
+        warnings.append(f"seq_len {seq_len} does not divide over sequence = {sizes['sequence']}")
+    return {
+        "mesh": sizes,
+        "devices": math.prod(sizes.values()),
+        "batch": batch,
+        "seq_len": seq_len,
+        "remat": cfg.model.remat,
+        **{f"params_{k}": v for k, v in counts.items()},
+        "flops_per_token_train": _flops(cfg, counts, seq_len, True),
+        "flops_per_token_forward": _flops(cfg, counts, seq_len, False),
+        "param_bytes_per_device": param_bytes,
+        "expert_param_bytes_per_device": sum(
+            s.bytes_per_device for s in shards.values() if s.expert
+        ),
+        "grad_bytes_per_device": param_bytes,
+        "adamw_bytes_per_device": 2 * param_bytes,
+        "activation_bytes_per_device": activation_bytes,
+        "total_bytes_per_device": total_bytes,
+        "hbm_gib": hbm_gib,
+        "fits": total_bytes <= hbm_gib * 2**30,
+        "warnings": warnings,
+    }
+
+
+def _si(n: float) -> str:
+    e, s = next((e, s) for e, s in ((12, "T"), (9, "B"), (6, "M"), (3, "K"), (0, "")) if n >= 10**e)
+    return f"{n / 10**e:.3g}{s}"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def format_table(p: dict) -> str:
+    """The plan as a human-readable table."""
+    mesh = " ".join(f"{a}={s}" for a, s in p["mesh"].items())
+    rows = [
+        ("mesh", f"{mesh}  ({p['devices']} devices)"),
+        ("tokens", f"batch {p['batch']} x seq_len {p['seq_len']}, remat {p['remat']}"),
+        ("params", f"{_si(p['params_total'])} total, {_si(p['params_active'])} active"),
+        ("  routed experts", _si(p["params_experts"])),
+        ("  embeddings", f"{_si(p['params_embedding'])} in, {_si(p['params_unembedding'])} out"),
+        (
+            "FLOPs/token",
+            f"{p['flops_per_token_train']:.4g} train, {p['flops_per_token_forward']:.4g} forward",
+        ),
+        ("params/device", _gib(p["param_bytes_per_device"])),
+        ("  routed experts", _gib(p["expert_param_bytes_per_device"])),
+        (
+            "grads, adamw/device",
+            f"{_gib(p['grad_bytes_per_device'])}, {_gib(p['adamw_bytes_per_device'])}",
+        ),
+        ("activations/device", _gib(p["activation_bytes_per_device"])),
+        ("total/device", _gib(p["total_bytes_per_device"])),
+        (f"fits {p['hbm_gib']:g} GiB", "yes" if p["fits"] else "NO"),
+    ] + [("warning", w) for w in p["warnings"]]
+    return "\n".join(f"{k:<20}{v}" for k, v in rows)
+
+
+def main(argv: list[str]) -> None:
+    from absl import app, flags
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    f = flags.FLAGS
+    cfg = f.config
+    mesh = parse_mesh(f.mesh) if f.mesh else mesh_sizes(dict(cfg.mesh.shape))
+    batch = cfg.batch_size if f.batch is None else f.batch
+    seq_len = cfg.seq_len if f.seq_len is None else f.seq_len
+    result = plan(cfg, mesh, batch, seq_len, hbm_gib=f.hbm_gib)
+    print(json.dumps(result) if f.json else format_table(result))
+
+
+if __name__ == "__main__":
+    # Flags live here, not at import, so tests and other CLIs can import this module.
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "configs/*.py file (`path:arg` for variants)")
+    flags.DEFINE_string("mesh", None, "axis:size,... replacing cfg.mesh.shape; unnamed axes are 1")
+    flags.DEFINE_integer("batch", None, "rows per step (default cfg.batch_size)")
+    flags.DEFINE_integer("seq_len", None, "tokens per row (default cfg.seq_len)")
+    flags.DEFINE_float("hbm_gib", 95.0, "memory of one device in GiB")
+    flags.DEFINE_bool("json", False, "print one JSON line instead of a table")
+    flags.mark_flag_as_required("config")
+    app.run(main)

@@ -1,0 +1,159 @@
+"""MoE block: dispatch equivalence, drop counting, router losses and gradients, routing replay."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny
+from model import moe
+
+# f32 everywhere; ragged and capacity sum the same products in a different order.
+ATOL = RTOL = 1e-5
+
+
+def _block(impl="ragged", router="softmax", shared=1, capacity_factor=1.25, seed=0, **moe_kw):
+    cfg = tiny.get_config()
+    cfg.model.moe.impl = impl
+    cfg.model.moe.router = router
+    cfg.model.moe.num_shared_experts = shared
+    cfg.model.moe.capacity_factor = capacity_factor
+    for k, v in moe_kw.items():
+        cfg.model.moe[k] = v
+    return moe.MoEBlock(cfg.model, tuple(cfg.mesh.rules), rngs=nnx.Rngs(params=seed)), cfg
+
+
+def _x(b=2, t=12, d=64, seed=1):
+    return jax.random.normal(jax.random.key(seed), (b, t, d), jnp.float32)
+
+
+def _loss_and_grads(block, x, **kw):
+    graphdef, state = nnx.split(block)
+
+    def f(state, x):
+        y, aux = nnx.merge(graphdef, state)(x, **kw)
+        # Weighted sum so every output element and both aux losses reach the gradient.
+        w = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+        return jnp.sum(y * w) + aux["load_balance_loss"] + aux["router_z_loss"], (y, aux)
+
+    (loss, (y, aux)), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(state, x)
+    return y, aux, grads
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_ragged_equals_capacity_when_nothing_drops(router):
+    x = _x()
+    # capacity_factor = E / k gives C = T slots per expert: no assignment can be dropped.
+    ragged, _ = _block("ragged", router)
+    capacity, cfg = _block("capacity", router, capacity_factor=4 / 2)
+    y_r, aux_r, (gs_r, gx_r) = _loss_and_grads(ragged, x)
+    y_c, aux_c, (gs_c, gx_c) = _loss_and_grads(capacity, x)
+    assert float(aux_c["dropped_tokens"]) == 0.0
+    np.testing.assert_allclose(y_r, y_c, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(gx_r, gx_c, atol=ATOL, rtol=RTOL)
+    chex.assert_trees_all_close(gs_r, gs_c, atol=ATOL, rtol=RTOL)
+    np.testing.assert_array_equal(aux_r["expert_indices"], aux_c["expert_indices"])
+
+
+def test_capacity_drops_are_counted_and_contribute_nothing():
+    # Force every token of every sequence onto experts (0, 1); T=8, k=2, E=4, factor 1.0:
+    # C = ceil(1.0 * 8 * 2 / 4) = 4 slots per expert, so experts 0 and 1 each keep the first 4 tokens
+    # and drop the last 4: 8 dropped assignments per sequence, 16 for B=2, fraction 16 / 32 = 0.5.
+    b, t = 2, 8
+    forced = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (b, t, 2))
+    x = _x(b, t)
+    cap_block, _ = _block("capacity", shared=0, capacity_factor=1.0)
+    ragged_block, _ = _block("ragged", shared=0)
+    y_c, aux = cap_block(x, expert_indices_BTk=forced)
+    y_r, _ = ragged_block(x, expert_indices_BTk=forced)
+    assert float(aux["dropped_tokens"]) == 16.0
+    assert float(aux["dropped_fraction"]) == 0.5
+    np.testing.assert_allclose(y_c[:, :4], y_r[:, :4], atol=ATOL, rtol=RTOL)
+    np.testing.assert_array_equal(y_c[:, 4:], 0.0)  # no shared expert: dropped tokens output 0
+
+
+def test_capacity_formula():
+    assert moe.capacity(tokens=8, top_k=2, num_experts=4, factor=1.0) == 4
+    assert moe.capacity(tokens=10, top_k=2, num_experts=4, factor=1.25) == 7  # ceil(6.25)
+    assert moe.capacity(tokens=1, top_k=2, num_experts=64, factor=1.0) == 1
+
+
+def test_load_balance_loss_golden_values():
+    lb = lambda probs, idx: float(moe.load_balance_loss(jnp.array(probs), jnp.array(idx), "softmax")[0])
+    # Uniform routing: f_e = 1/4, P_e = 1/4 -> 4 * 4 * (1/16) = 1 (the minimum).
+    assert lb([[0.25] * 4] * 4, [[0], [1], [2], [3]]) == pytest.approx(1.0)
+    # Collapsed routing: f = P = (1, 0, 0, 0) -> 4 * 1 = 4 (the maximum).
+    assert lb([[1.0, 0, 0, 0]] * 4, [[0]] * 4) == pytest.approx(4.0)
+    # Two tokens to experts 0 and 1: f = (.5, .5, 0, 0), P = (.4, .4, .1, .1) -> 4 * (.2 + .2) = 1.6.
+    probs = [[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1]]
+    assert lb(probs, [[0], [1]]) == pytest.approx(1.6)
+    # Top-2: assignments (0,1),(2,3) -> f = 1/4 each; uniform P -> 1 again.
+    assert lb([[0.25] * 4] * 2, [[0, 1], [2, 3]]) == pytest.approx(1.0)
+
+
+def test_load_fractions_and_z_loss_golden():
+    _, f = moe.load_balance_loss(jnp.full((3, 4), 0.25), jnp.array([[0, 1], [0, 2], [0, 3]]), "softmax")
+    np.testing.assert_allclose(f, [3 / 6, 1 / 6, 1 / 6, 1 / 6], rtol=1e-6)
+    # logits all zero over E=4: logsumexp = log 4, z-loss = (log 4)^2.
+    assert float(moe.z_loss(jnp.zeros((5, 4)))) == pytest.approx(np.log(4.0) ** 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("router,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_router_gradients_flow(router, renormalize):
+    block, _ = _block("ragged", router, renormalize=renormalize)
+    x = _x()
+    graphdef, state = nnx.split(block)
+
+    def output_only(state):
+        y, _ = nnx.merge(graphdef, state)(x)
+        return jnp.sum(jnp.sin(y))
+
+    def aux_only(state, key):
+        _, aux = nnx.merge(graphdef, state)(x)
+        return aux[key]
+
+    g_out = jax.grad(output_only)(state)["router"].value
+    g_lb = jax.grad(aux_only)(state, "load_balance_loss")["router"].value
+    g_z = jax.grad(aux_only)(state, "router_z_loss")["router"].value
+    for g in (g_out, g_lb, g_z):
+        chex.assert_tree_all_finite(g)
+        assert float(jnp.abs(g).max()) > 1e-6
+
+
+def test_route_softmax_top_k_renormalised():
+    logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]]))
+    w, idx, probs = moe.route(logits, router="softmax", top_k=2, renormalize=True)
+    np.testing.assert_array_equal(idx, [[3, 2]])
+    np.testing.assert_allclose(w, [[0.4 / 0.7, 0.3 / 0.7]], rtol=1e-6)
+    w, _, _ = moe.route(logits, router="softmax", top_k=2, renormalize=False)
+    np.testing.assert_allclose(w, [[0.4, 0.3]], rtol=1e-6)
+
+
+def test_sigmoid_bias_selects_but_does_not_weight():
+    logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
+    bias = jnp.array([0.0, 0.0, 0.0, 5.0])
+    w, idx, _ = moe.route(logits, router="sigmoid", top_k=2, renormalize=True, bias_E=bias)
+    np.testing.assert_array_equal(idx, [[3, 0]])  # the bias pulls expert 3 into the top-2
+    s = jax.nn.sigmoid(logits[0])
+    np.testing.assert_allclose(w, [[s[3] / (s[3] + s[0]), s[0] / (s[3] + s[0])]], rtol=1e-6)
+
+
+def test_update_expert_bias_moves_toward_balance():
+    # loads (.5, .25, .25, 0) vs target .25: over, equal, equal, under -> (-r, 0, 0, +r).
+    new = moe.update_expert_bias(jnp.zeros(4), jnp.array([0.5, 0.25, 0.25, 0.0]), 0.01)
+    np.testing.assert_allclose(new, [-0.01, 0.0, 0.0, 0.01])
+
+
+@pytest.mark.parametrize("impl", ["ragged", "capacity"])
+def test_routing_replay(impl):
+    block, _ = _block(impl, capacity_factor=2.0)
+    x = _x()
+    y, aux = block(x)
+    y_replay, aux_replay = block(x, expert_indices_BTk=aux["expert_indices"])
+    np.testing.assert_allclose(y, y_replay, atol=ATOL, rtol=RTOL)
+    other = (aux["expert_indices"] + 1) % 4  # still distinct per token
+    y_other, aux_other = block(x, expert_indices_BTk=other)
+    np.testing.assert_array_equal(aux_other["expert_indices"], other)
+    assert float(jnp.abs(y_other - y).max()) > 1e-3
