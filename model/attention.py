@@ -110,13 +110,13 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, dict | None]:
         cdt = self.compute_dtype
         x_BTD = x_BTD.astype(cdt)
-        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q.value.astype(cdt))
-        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k.value.astype(cdt))
-        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v.value.astype(cdt))
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q[...].astype(cdt))
+        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k[...].astype(cdt))
+        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v[...].astype(cdt))
         if self.has_bias:
-            q_BTNH = q_BTNH + self.q_bias.value.astype(cdt)[None, None]
-            k_BTKH = k_BTKH + self.k_bias.value.astype(cdt)[None, None]
-            v_BTKH = v_BTKH + self.v_bias.value.astype(cdt)[None, None]
+            q_BTNH = q_BTNH + self.q_bias[...].astype(cdt)[None, None]
+            k_BTKH = k_BTKH + self.k_bias[...].astype(cdt)[None, None]
+            v_BTKH = v_BTKH + self.v_bias[...].astype(cdt)[None, None]
         if self.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         cos, sin = rope.cos_sin(positions_BT, self.head_dim, self.rope_cfg)
@@ -141,5 +141,5 @@ class Attention(nnx.Module):
             )
             cache = {"k": k_cache, "v": v_cache, "index": cache["index"]}
         o_BTNH = sharding.constrain(o_BTNH.astype(cdt), act, self.rules)
-        y_BTD = jnp.einsum("btnh,nhd->btd", o_BTNH, self.o.value.astype(cdt))
+        y_BTD = jnp.einsum("btnh,nhd->btd", o_BTNH, self.o[...].astype(cdt))
         return y_BTD, cache

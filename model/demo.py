@@ -49,7 +49,7 @@ def main(argv):
     print(f"parameters: {n_params:,}")
     blocks = params["moe_layers"]["blocks"] if m.moe_layers is not None else None
     if blocks is not None:
-        print(f"expert gate sharding: {blocks['mlp']['gate'].value.sharding.spec}")
+        print(f"expert gate sharding: {blocks['mlp']['gate'][...].sharding.spec}")
     optimizer = optax.adamw(1e-2, b2=0.98, weight_decay=0.01)
 
     def loss_fn(params, toks):

@@ -110,32 +110,25 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def logical_axes_of(state: nnx.State):
-    """Tree of the `logical_axes` tuples of every variable in `state` (same structure as specs)."""
-
-    def get(v):
-        axes = v.get_metadata().get("logical_axes")
-        if axes is None:
-            raise ValueError(f"variable of shape {v.value.shape} has no logical_axes metadata")
-        if len(axes) != v.value.ndim:
-            raise ValueError(f"logical_axes {axes} do not match the rank of shape {v.value.shape}")
-        return axes
-
-    return jax.tree.map(get, state, is_leaf=_is_var)
+def variable_value(v: nnx.Variable):
+    """The array (or ShapeDtypeStruct) inside a variable, across flax versions."""
+    return v.get_value() if hasattr(v, "get_value") else v.value
 
 
-def state_specs(state: nnx.State, rules: Rules, mesh: Mesh | None = None):
-    """PartitionSpecs for every variable of `state` (structure: one leaf per variable)."""
+def logical_axes_of(v: nnx.Variable) -> tuple:
+    """The `logical_axes` metadata of a variable, checked against its rank."""
+    axes = v.get_metadata().get("logical_axes")
+    shape = variable_value(v).shape
+    if axes is None:
+        raise ValueError(f"a variable of shape {shape} has no logical_axes metadata")
+    if len(axes) != len(shape):
+        raise ValueError(f"logical_axes {axes} do not match the rank of shape {shape}")
+    return tuple(axes)
 
-    def spec(v):
-        s = logical_to_spec(logical_axes_of_var(v), rules)
-        return _drop_trivial(s, mesh) if mesh is not None else s
 
-    return jax.tree.map(spec, state, is_leaf=_is_var)
-
-
-def logical_axes_of_var(v: nnx.Variable) -> tuple:
-    return tuple(v.get_metadata()["logical_axes"])
+def state_specs(state: nnx.State, rules: Rules):
+    """PartitionSpecs for every variable of `state` (one leaf per variable)."""
+    return jax.tree.map(lambda v: logical_to_spec(logical_axes_of(v), rules), state, is_leaf=_is_var)
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
@@ -143,8 +136,9 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
 
     def sharding(v):
-        spec = _drop_trivial(logical_to_spec(logical_axes_of_var(v), rules), mesh)
-        for dim, entry, name in zip(v.value.shape, spec, logical_axes_of_var(v)):
+        names = logical_axes_of(v)
+        spec = _drop_trivial(logical_to_spec(names, rules), mesh)
+        for dim, entry, name in zip(variable_value(v).shape, spec, names):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
             n = math.prod(sizes[a] for a in axes)
             if dim % n:

@@ -200,7 +200,7 @@ class Transformer(nnx.Module):
         if m.tie_embeddings:
             logits_BTV = self.embed.attend(x_BTD)
         else:
-            w_DV = self.unembed.value.astype(x_BTD.dtype)
+            w_DV = self.unembed[...].astype(x_BTD.dtype)
             logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, w_DV, preferred_element_type=jnp.float32)
         logits_BTV = sharding.constrain(
             logits_BTV.astype(jnp.float32), ("act_batch", "act_length", "act_vocab"), self.rules

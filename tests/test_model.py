@@ -128,8 +128,8 @@ def test_first_dense_layers_and_tied_embeddings():
     m = model.build(cfg)
     params = _params(m)
     assert "unembed" not in params
-    chex.assert_shape(params["dense_layers"]["blocks"]["mlp"]["gate"].value, (1, 64, 128))
-    chex.assert_shape(params["moe_layers"]["blocks"]["mlp"]["gate"].value, (2, 4, 64, 96))
+    chex.assert_shape(params["dense_layers"]["blocks"]["mlp"]["gate"][...], (1, 64, 128))
+    chex.assert_shape(params["moe_layers"]["blocks"]["mlp"]["gate"][...], (2, 4, 64, 96))
     logits, aux = m(_tokens())
     chex.assert_tree_all_finite(logits)
     chex.assert_shape(aux["expert_indices"], (2, 2, 12, 2))
