@@ -1,7 +1,8 @@
 """Mixture-of-Experts block: f32 router, top-k dispatch (dropless ragged or capacity), shared experts.
 
 Dimension key: B batch, T tokens, D model width, F expert width, E experts, k experts per token,
-C capacity slots per expert (per sequence), A = T * k assignments.
+C capacity slots per expert (per sequence), A = T * k assignments, R rows of an expert buffer,
+M = B * C rows of one expert in the capacity buffer, W rows of one window of the CPU ragged path.
 
 Routers:
 - softmax: probs = softmax(logits); the top-k probs are the combine weights (optionally renormalised).
@@ -10,10 +11,12 @@ Routers:
   are the unbiased scores of the chosen experts, renormalised, times `routed_scaling`.
 
 Dispatch:
-- ragged: assignments sorted by expert, `jax.lax.ragged_dot` over contiguous groups; drops nothing.
+- ragged: assignments sorted by expert, `jax.lax.ragged_dot` over contiguous groups; drops nothing. On
+  CPU, where ragged_dot computes every expert over every row, `grouped_swiglu` loops over each expert's
+  rows in W-row windows instead.
 - capacity: per sequence, each expert gets C = ceil(capacity_factor * T * k / E) slots; assignments past
-  C (in token order) are dropped and counted; one batched matmul per expert. With C >= T nothing drops and
-  the output equals ragged.
+  C (in token order) are dropped and counted. The buffer is expert-major, [E, B * C, D], so each expert
+  is one plain matmul over all its rows. With C >= T nothing drops and the output equals ragged.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import ml_collections
 from flax import nnx
 
 from model import layers, sharding
+from model.moe_dispatch import combine_rows, gather_rows, grouped_swiglu, invert_rows, swiglu_experts
+
+EXPERT_ROWS = ("act_exp", "act_tokens", None)  # capacity buffer [E, B * C, D]
+RAGGED_BLOCK = 128  # rows per window of the CPU dropless path
 
 
 class ExpertBias(nnx.Variable):
@@ -95,21 +102,30 @@ def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * top_k / num_experts))
 
 
-def _swiglu_experts_dense(x_ECD, gate_EDF, up_EDF, down_EFD):
-    g = jnp.einsum("...ecd,edf->...ecf", x_ECD, gate_EDF)
-    u = jnp.einsum("...ecd,edf->...ecf", x_ECD, up_EDF)
-    return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(g) * u, down_EFD)
+def ragged_dispatch(
+    x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD, *, use_ragged_dot: bool | None = None
+) -> jax.Array:
+    """Dropless: sort assignments by expert, grouped matmuls, unsort, weight and sum over k.
 
-
-def ragged_dispatch(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.Array:
-    """Dropless: sort assignments by expert, grouped matmuls, unsort, weight and sum over k."""
+    On accelerators the grouped matmuls are `jax.lax.ragged_dot`. On CPU ragged_dot runs every expert
+    densely over every row (E / k times the work), so there each expert's rows go through its weights
+    in `RAGGED_BLOCK`-row windows, as many as its load needs (`grouped_swiglu`)."""
     t, k = idx_Tk.shape
     num_experts = gate_EDF.shape[0]
     flat_e_A = idx_Tk.reshape(-1)
     order_A = jnp.argsort(flat_e_A, stable=True)
     inverse_A = jnp.argsort(order_A)
-    x_AD = jnp.take(x_TD, order_A // k, axis=0)
     sizes_E = jnp.bincount(flat_e_A, length=num_experts).astype(jnp.int32)
+    if use_ragged_dot is None:
+        use_ragged_dot = jax.default_backend() != "cpu"
+    if not use_ragged_dot:
+        block = min(RAGGED_BLOCK, t * k)
+        # Rows sorted by expert, then `block` zero rows so that every window lies inside the buffer.
+        assign_R = jnp.concatenate([order_A, jnp.full((block,), t * k, order_A.dtype)])
+        x_RD = gather_rows(x_TD, assign_R, inverse_A, k)
+        y_RD = grouped_swiglu(x_RD, sizes_E, gate_EDF, up_EDF, down_EFD, block)
+        return combine_rows(y_RD, w_Tk, assign_R, inverse_A)
+    x_AD = jnp.take(x_TD, order_A // k, axis=0)
     g_AF = jax.lax.ragged_dot(x_AD, gate_EDF, sizes_E)
     u_AF = jax.lax.ragged_dot(x_AD, up_EDF, sizes_E)
     y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, down_EFD, sizes_E)
@@ -131,25 +147,17 @@ def capacity_slots(idx_Tk: jax.Array, num_experts: int, cap: int) -> tuple[jax.A
     return slot_A, kept_A
 
 
-def capacity_dispatch(x_TD, idx_Tk, num_experts: int, cap: int):
-    """One sequence: gather tokens into [E, C, D] slots; returns them, each assignment's slot, kept."""
-    t, k = idx_Tk.shape
-    d = x_TD.shape[-1]
-    slot_A, kept_A = capacity_slots(idx_Tk, num_experts, cap)
-    token_A = jnp.arange(t * k, dtype=jnp.int32) // k
-    # slot -> token (T, a zero row, for empty slots); integer bookkeeping, no gradient.
-    slot_token = jnp.full((num_experts * cap + 1,), t, jnp.int32).at[slot_A].set(token_A)
-    x_pad = jnp.concatenate([x_TD, jnp.zeros((1, d), x_TD.dtype)], axis=0)
-    x_ECD = jnp.take(x_pad, slot_token[:-1], axis=0).reshape(num_experts, cap, d)
-    return x_ECD, slot_A, kept_A
-
-
-def combine_slots(y_ECD, slot_A, w_Tk) -> jax.Array:
-    t, k = w_Tk.shape
-    d = y_ECD.shape[-1]
-    y_pad = jnp.concatenate([y_ECD.reshape(-1, d), jnp.zeros((1, d), y_ECD.dtype)], axis=0)
-    y_TkD = jnp.take(y_pad, slot_A, axis=0).reshape(t, k, d)
-    return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
+def capacity_rows(idx_BTk: jax.Array, num_experts: int, cap: int):
+    """Capacity buffer of B sequences in expert-major order: row (e * B + b) * C + c is slot c of expert
+    e in sequence b, so each expert's rows are contiguous [B * C]. Returns assign_R, row_A, kept [B, A]."""
+    b, t, k = idx_BTk.shape
+    slot_BA, kept_BA = jax.vmap(lambda i: capacity_slots(i, num_experts, cap))(idx_BTk)
+    e_BA = idx_BTk.reshape(b, t * k)
+    seq_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
+    num_rows = num_experts * b * cap
+    row_BA = jnp.where(kept_BA, (e_BA * b + seq_B1) * cap + slot_BA - e_BA * cap, num_rows)
+    row_A = row_BA.reshape(-1).astype(jnp.int32)
+    return invert_rows(row_A, num_rows), row_A, kept_BA
 
 
 class MoEBlock(nnx.Module):
@@ -176,16 +184,20 @@ class MoEBlock(nnx.Module):
         b, t, d = x_BTD.shape
         n = e.num_experts
         logits_BTE = jnp.einsum(
-            "btd,de->bte", x_BTD.astype(jnp.float32), self.router.value.astype(jnp.float32)
+            "btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32)
         )
-        bias = self.expert_bias.value if e.router == "sigmoid" else None
+        bias = self.expert_bias[...] if e.router == "sigmoid" else None
         forced = None if expert_indices_BTk is None else expert_indices_BTk.reshape(b * t, -1)
         w_Tk, idx_Tk, probs_TE = route(
-            logits_BTE.reshape(b * t, n), router=e.router, top_k=e.top_k,
-            renormalize=e.renormalize, bias_E=bias, forced_idx_Tk=forced,
+            logits_BTE.reshape(b * t, n),
+            router=e.router,
+            top_k=e.top_k,
+            renormalize=e.renormalize,
+            bias_E=bias,
+            forced_idx_Tk=forced,
         )
         w_Tk = w_Tk * e.routed_scaling
-        gate, up, down = (p.value.astype(cdt) for p in (self.gate, self.up, self.down))
+        gate, up, down = (p[...].astype(cdt) for p in (self.gate, self.up, self.down))
         x_BTD = x_BTD.astype(cdt)
         if e.impl == "ragged":
             y_TD = ragged_dispatch(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
@@ -193,14 +205,14 @@ class MoEBlock(nnx.Module):
             dropped = jnp.zeros((), jnp.float32)
         else:
             cap = capacity(t, e.top_k, n, e.capacity_factor)
-            idx_BTk, w_BTk = idx_Tk.reshape(b, t, -1), w_Tk.reshape(b, t, -1)
-            dispatch = jax.vmap(lambda x, i: capacity_dispatch(x, i, n, cap))
-            x_BECD, slot_BA, kept_BA = dispatch(x_BTD, idx_BTk)
-            # Tokens stay sharded over batch; experts over `expert` (an all-to-all under GSPMD).
-            x_BECD = sharding.constrain(x_BECD, ("act_tokens", "act_exp", None, None), rules)
-            y_BECD = _swiglu_experts_dense(x_BECD, gate, up, down)
-            y_BECD = sharding.constrain(y_BECD, ("act_tokens", "act_exp", None, None), rules)
-            y_BTD = jax.vmap(combine_slots)(y_BECD, slot_BA, w_BTk)
+            assign_R, row_A, kept_BA = capacity_rows(idx_Tk.reshape(b, t, -1), n, cap)
+            x_EMD = gather_rows(x_BTD.reshape(b * t, d), assign_R, row_A, e.top_k)
+            # Rows of one expert are [B * C] with the sequence major: they stay sharded over batch,
+            # experts over `expert` (an all-to-all under GSPMD).
+            x_EMD = sharding.constrain(x_EMD.reshape(n, b * cap, d), EXPERT_ROWS, rules)
+            y_EMD = swiglu_experts(x_EMD, gate, up, down)
+            y_EMD = sharding.constrain(y_EMD, EXPERT_ROWS, rules)
+            y_BTD = combine_rows(y_EMD.reshape(-1, d), w_Tk, assign_R, row_A).reshape(b, t, d)
             dropped = jnp.sum(1.0 - kept_BA.astype(jnp.float32))
         if e.num_shared_experts:
             y_BTD = y_BTD + self.shared(x_BTD)

@@ -234,9 +234,7 @@ def plan(
         "flops_per_token_train": _flops(cfg, counts, seq_len, True),
         "flops_per_token_forward": _flops(cfg, counts, seq_len, False),
         "param_bytes_per_device": param_bytes,
-        "expert_param_bytes_per_device": sum(
-            s.bytes_per_device for s in shards.values() if s.expert
-        ),
+        "expert_param_bytes_per_device": sum(s.bytes_per_device for s in shards.values() if s.expert),
         "grad_bytes_per_device": param_bytes,
         "adamw_bytes_per_device": 2 * param_bytes,
         "activation_bytes_per_device": activation_bytes,
