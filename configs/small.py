@@ -2,7 +2,8 @@
 
 Colab size: ~95M total parameters, ~29M active per token (16 experts top-2 plus one shared expert,
 8 layers, d_model 512, vocab 8192). `configs/small.py:dense` replaces every MoE layer by a dense SwiGLU
-of the same active width; `:capacity` uses the capacity MoE impl; `:experts=32` changes the expert count.
+of the same active width; `:capacity` uses the capacity MoE impl; `:attention=reference` the einsum
+attention; `:experts=32` changes the expert count.
 """
 
 from configs import base
@@ -26,6 +27,11 @@ def get_config(arg: str | None = None):
     m.moe.shared_d_ff = 384
     # Dense variant: one SwiGLU as wide as the active experts (top_k + shared).
     m.d_ff = m.moe.d_ff * (m.moe.top_k + m.moe.num_shared_experts)
+    # Eight layers unroll cheaply; on CPU the unrolled stack trains ~15% faster than the scan (which
+    # stacks per-layer residuals with dynamic-update-slices). Pod configs keep scan_layers=True.
+    m.scan_layers = False
+    # Causal attention without the blocks above the diagonal (same result as `reference`).
+    m.attention_impl = "query_blocked"
     cfg.batch_size = 8
     cfg.seq_len = 512
     for a in (arg or "").split(","):
@@ -33,8 +39,12 @@ def get_config(arg: str | None = None):
             m.moe.num_experts = 0
         elif a == "capacity":
             m.moe.impl = "capacity"
+        elif a.startswith("attention="):
+            m.attention_impl = a.split("=", 1)[1]
         elif a.startswith("experts="):
             m.moe.num_experts = int(a.split("=", 1)[1])
         elif a:
-            raise ValueError(f"configs/small.py: unknown argument {a!r}; use dense, capacity or experts=N")
+            raise ValueError(
+                f"configs/small.py: unknown argument {a!r}; use dense, capacity, attention=NAME or experts=N"
+            )
     return cfg

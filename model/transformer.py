@@ -201,7 +201,8 @@ class Transformer(nnx.Module):
             logits_BTV = self.embed.attend(x_BTD)
         else:
             w_DV = self.unembed[...].astype(x_BTD.dtype)
-            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, w_DV, preferred_element_type=jnp.float32)
+            x_MD = x_BTD.reshape(b * t, -1)  # a 2-D matmul: see Attention for why
+            logits_BTV = jnp.matmul(x_MD, w_DV, preferred_element_type=jnp.float32).reshape(b, t, -1)
         logits_BTV = sharding.constrain(
             logits_BTV.astype(jnp.float32), ("act_batch", "act_length", "act_vocab"), self.rules
         )
@@ -253,8 +254,15 @@ def build(
 
 
 def next_token_loss(logits_BTV: jax.Array, tokens_BT: jax.Array, mask_BT=None) -> jax.Array:
-    """Mean cross-entropy of predicting tokens[:, 1:] from logits[:, :-1]."""
-    logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
-    nll_BT = -jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0]
-    mask = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT[:, 1:].astype(nll_BT.dtype)
-    return jnp.sum(nll_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    """Mean cross-entropy of predicting tokens[:, t + 1] from logits[:, t] (where mask[:, t + 1]).
+
+    Targets are shifted instead of logits sliced: slicing [:, :-1] copies the whole [B, T, V] tensor.
+    """
+    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    targets_BT = jnp.roll(tokens_BT, -1, axis=1)
+    nll_BT = -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    valid_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]) < tokens_BT.shape[1] - 1, tokens_BT.shape)
+    if mask_BT is not None:
+        valid_BT = valid_BT & jnp.roll(mask_BT, -1, axis=1).astype(bool)
+    weight_BT = valid_BT.astype(nll_BT.dtype)
+    return jnp.sum(nll_BT * weight_BT) / jnp.maximum(jnp.sum(weight_BT), 1.0)

@@ -233,3 +233,22 @@ def test_rope_rotation_preserves_norm_and_relative_position():
     np.testing.assert_allclose(jnp.linalg.norm(rot(x, 7)), jnp.linalg.norm(x), rtol=1e-6)
     dot = lambda p, q: float(jnp.sum(rot(x, p) * rot(y, q)))
     assert dot(3, 1) == pytest.approx(dot(10, 8), rel=1e-5)
+
+
+def test_next_token_loss_golden():
+    # Uniform logits over V = 4: every prediction costs ln 4.
+    assert float(model.next_token_loss(jnp.zeros((1, 3, 4)), jnp.array([[0, 1, 2]]))) == pytest.approx(
+        np.log(4.0)
+    )
+    # V = 2, tokens (0, 1, 1). Position 0 predicts 1 with logits (0, ln 3): p = 3/4, nll = ln(4/3);
+    # position 1 predicts 1 with logits (0, 0): nll = ln 2; the last position has no target.
+    logits = jnp.array([[[0.0, np.log(3.0)], [0.0, 0.0], [5.0, -5.0]]])
+    toks = jnp.array([[0, 1, 1]])
+    expected = (np.log(4 / 3) + np.log(2)) / 2
+    assert float(model.next_token_loss(logits, toks)) == pytest.approx(expected, rel=1e-6)
+    # mask[t + 1] = 0 removes the prediction of token t + 1: only position 0 remains.
+    masked = model.next_token_loss(logits, toks, jnp.array([[1, 1, 0]]))
+    assert float(masked) == pytest.approx(np.log(4 / 3), rel=1e-6)
+    # A batch of two identical rows has the same mean.
+    two = model.next_token_loss(jnp.concatenate([logits, logits]), jnp.concatenate([toks, toks]))
+    assert float(two) == pytest.approx(expected, rel=1e-6)
