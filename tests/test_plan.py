@@ -104,6 +104,7 @@ def test_expert_bytes_shrink_over_expert_axis():
 
 def test_fsdp_and_tensor_split_the_embedding():
     cfg = small.get_config()
+    cfg.model.scan_layers = True  # one stacked [layers, ...] parameter per weight
     shards = plan.param_bytes_per_device(cfg, {"fsdp": 4, "tensor": 2})
     # (vocab 8192 over tensor 2) x (embed 512 over fsdp 4), f32.
     assert shards["embed/embedding"].bytes_per_device == (8192 // 2) * (512 // 4) * 4

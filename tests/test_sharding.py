@@ -77,7 +77,7 @@ def test_parameter_shardings_follow_the_rules():
     cfg.mesh.shape.update(shape)
     m = model.build(cfg, mesh=_mesh(shape))
     params = nnx.state(m, nnx.Param)
-    spec = lambda v: v.value.sharding.spec
+    spec = lambda v: v[...].sharding.spec
     blocks = params["moe_layers"]["blocks"]
     P = PartitionSpec
     # ('layers', 'exp', 'embed', 'mlp') -> (None, expert, fsdp, tensor)
