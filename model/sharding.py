@@ -126,11 +126,6 @@ def logical_axes_of(v: nnx.Variable) -> tuple:
     return tuple(axes)
 
 
-def state_specs(state: nnx.State, rules: Rules):
-    """PartitionSpecs for every variable of `state` (one leaf per variable)."""
-    return jax.tree.map(lambda v: logical_to_spec(logical_axes_of(v), rules), state, is_leaf=_is_var)
-
-
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
     """NamedShardings for every variable of `state`, checking each dimension divides its mesh axes."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))

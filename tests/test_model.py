@@ -135,6 +135,21 @@ def test_first_dense_layers_and_tied_embeddings():
     chex.assert_shape(aux["expert_indices"], (2, 2, 12, 2))
 
 
+def test_attention_bias_and_sigmoid_router():
+    cfg = _cfg()
+    cfg.model.attention_bias = True  # Qwen2-style q/k/v bias
+    cfg.model.moe.router = "sigmoid"
+    m = model.build(cfg)
+    attn = _params(m)["moe_layers"]["blocks"]["attn"]
+    chex.assert_shape(attn["q_bias"][...], (2, 4, 16))
+    chex.assert_shape(attn["k_bias"][...], (2, 2, 16))
+    before, _ = m(_tokens())
+    m.moe_layers.blocks.attn.k_bias[...] = jnp.ones((2, 2, 16))
+    after, aux = m(_tokens())
+    chex.assert_tree_all_finite((after, aux))
+    assert float(jnp.abs(after - before).max()) > 1e-4  # the bias takes part in the forward pass
+
+
 def test_bf16_compute_with_f32_params():
     cfg = _cfg()
     cfg.model.compute_dtype = "bfloat16"
