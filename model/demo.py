@@ -2,7 +2,7 @@
 
 The end-to-end check of the foundation until the GRPO loop lands: builds the MoE model sharded over a
 data/expert/tensor mesh (8 fake CPU devices on a CPU host), trains it for a few AdamW steps on a
-synthetic next-token task (forward + backward, MoE aux losses included), prints the loss, the expert
+synthetic next-token rule (forward + backward, MoE aux losses included), prints the loss, the expert
 load and the parameter shardings, then the memory plan of the same config.
 """
 
@@ -32,9 +32,15 @@ _STEPS = flags.DEFINE_integer("steps", 60, "Training steps on the synthetic task
 
 
 def synthetic_batch(key, batch: int, length: int, vocab: int) -> jax.Array:
-    """Sequences that repeat a random 8-token motif: learnable from context alone."""
-    motif = jax.random.randint(key, (batch, 8), 0, vocab, jnp.int32)
-    return jnp.tile(motif, (1, -(-length // 8)))[:, :length]
+    """Random starts, then x[t + 1] = (5 x[t] + 3) mod V: a next-token rule the model can learn."""
+    start_B = jax.random.randint(key, (batch,), 0, vocab, jnp.int32)
+
+    def step(x_B, _):
+        nxt = (5 * x_B + 3) % vocab
+        return nxt, x_B
+
+    _, toks_TB = jax.lax.scan(step, start_B, None, length=length)
+    return toks_TB.T
 
 
 def main(argv):
