@@ -111,11 +111,9 @@ def ragged_dispatch(
     densely over every row (E / k times the work), so there each expert's rows go through its weights
     in `RAGGED_BLOCK`-row windows, as many as its load needs (`grouped_swiglu`)."""
     t, k = idx_Tk.shape
-    num_experts = gate_EDF.shape[0]
-    flat_e_A = idx_Tk.reshape(-1)
-    order_A = jnp.argsort(flat_e_A, stable=True)
-    inverse_A = jnp.argsort(order_A)
-    sizes_E = jnp.bincount(flat_e_A, length=num_experts).astype(jnp.int32)
+    order_A, sizes_E, pos_A = sort_by_expert(idx_Tk, gate_EDF.shape[0])
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    inverse_A = start_E[idx_Tk.reshape(-1)] + pos_A  # where each assignment sits in the sorted order
     if use_ragged_dot is None:
         use_ragged_dot = jax.default_backend() != "cpu"
     if not use_ragged_dot:
@@ -133,29 +131,30 @@ def ragged_dispatch(
     return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
 
 
-def capacity_slots(idx_Tk: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
-    """Slot e * C + position of each assignment (E * C when dropped), and the kept mask [A]."""
+def sort_by_expert(idx_Tk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Assignments sorted by expert (stable: token order within an expert): the sort order [A], the
+    group sizes [E], and each assignment's position among its expert's assignments [A]."""
     a = idx_Tk.size
     flat_e_A = idx_Tk.reshape(-1)
     order_A = jnp.argsort(flat_e_A, stable=True)
-    sizes_E = jnp.bincount(flat_e_A, length=num_experts)
+    sizes_E = jnp.bincount(flat_e_A, length=num_experts).astype(jnp.int32)
     start_E = jnp.cumsum(sizes_E) - sizes_E
-    pos_sorted_A = jnp.arange(a) - start_E[flat_e_A[order_A]]
-    pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(pos_sorted_A.astype(jnp.int32))
-    kept_A = pos_A < cap
-    slot_A = jnp.where(kept_A, flat_e_A * cap + pos_A, num_experts * cap)
-    return slot_A, kept_A
+    pos_sorted_A = jnp.arange(a, dtype=jnp.int32) - start_E[flat_e_A[order_A]]
+    pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(pos_sorted_A)
+    return order_A, sizes_E, pos_A
 
 
 def capacity_rows(idx_BTk: jax.Array, num_experts: int, cap: int):
     """Capacity buffer of B sequences in expert-major order: row (e * B + b) * C + c is slot c of expert
-    e in sequence b, so each expert's rows are contiguous [B * C]. Returns assign_R, row_A, kept [B, A]."""
+    e in sequence b, so each expert's rows are contiguous [B * C]. Assignments past slot C - 1 of their
+    expert (in token order) are dropped. Returns assign_R, row_A, kept [B, A]."""
     b, t, k = idx_BTk.shape
-    slot_BA, kept_BA = jax.vmap(lambda i: capacity_slots(i, num_experts, cap))(idx_BTk)
+    pos_BA = jax.vmap(lambda i: sort_by_expert(i, num_experts)[2])(idx_BTk)
+    kept_BA = pos_BA < cap
     e_BA = idx_BTk.reshape(b, t * k)
     seq_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
     num_rows = num_experts * b * cap
-    row_BA = jnp.where(kept_BA, (e_BA * b + seq_B1) * cap + slot_BA - e_BA * cap, num_rows)
+    row_BA = jnp.where(kept_BA, (e_BA * b + seq_B1) * cap + pos_BA, num_rows)
     row_A = row_BA.reshape(-1).astype(jnp.int32)
     return invert_rows(row_A, num_rows), row_A, kept_BA
 

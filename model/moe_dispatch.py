@@ -27,12 +27,9 @@ def invert_rows(row_A: jax.Array, num_rows: int) -> jax.Array:
     return assign[:-1]
 
 
-# Moving tokens into expert buffers and back. A buffer has R rows, each holding one assignment (a token
-# sent to an expert) or nothing: `assign_R` is the assignment of each row (A = T * k when empty) and
-# `row_A` the row of each assignment (R when dropped). Both directions are gathers, and so are their
-# gradients (custom VJPs): autodiff would transpose each gather into a scatter-add, which on XLA:CPU
-# takes 1.5-2.5x as long for the small config. A row holds at most one assignment, so the gathers
-# add up the same terms as the scatters would.
+# Both directions are gathers, and so are their gradients (custom VJPs): autodiff would transpose each
+# gather into a scatter-add, which on XLA:CPU takes 1.5-2.5x as long for the small config. A row holds
+# at most one assignment, so the gathers add up the same terms as the scatters would.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
