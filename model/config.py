@@ -91,6 +91,12 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
             _check(e.shared_d_ff > 0, f"model.moe.shared_d_ff={e.shared_d_ff} must be positive")
 
 
+def layer_counts(m: ml_collections.ConfigDict) -> tuple[int, int]:
+    """(dense layers, MoE layers): the first `moe.first_dense_layers` are dense, or all without experts."""
+    num_dense = m.num_layers if not m.moe.num_experts else m.moe.first_dense_layers
+    return num_dense, m.num_layers - num_dense
+
+
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> dict[str, int]:
     """Checks `cfg` (and its mesh against `num_devices` when given); returns the resolved mesh shape."""
     m = cfg.model

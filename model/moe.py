@@ -182,9 +182,7 @@ class MoEBlock(nnx.Module):
         e, cdt, rules = self.moe, self.compute_dtype, self.rules
         b, t, d = x_BTD.shape
         n = e.num_experts
-        logits_BTE = jnp.einsum(
-            "btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32)
-        )
+        logits_BTE = layers.matmul_rows(x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         bias = self.expert_bias[...] if e.router == "sigmoid" else None
         forced = None if expert_indices_BTk is None else expert_indices_BTk.reshape(b * t, -1)
         w_Tk, idx_Tk, probs_TE = route(

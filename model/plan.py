@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
+from model import config as config_lib
 from model import sharding
 from model.transformer import Transformer
 
@@ -178,9 +179,9 @@ def activation_bytes_per_device(
     t = -(-seq_len // sizes["sequence"])
     tokens, c = rows * t, jnp.dtype(m.compute_dtype).itemsize
     probs = rows * -(-m.num_heads // tp) * t * t * 4 if m.attention_impl == "reference" else 0
-    num_dense = m.num_layers if not m.moe.num_experts else m.moe.first_dense_layers
+    num_dense, num_moe = config_lib.layer_counts(m)
     every_layer = one_layer = 0
-    for n, moe in ((num_dense, False), (m.num_layers - num_dense, True)):
+    for n, moe in ((num_dense, False), (num_moe, True)):
         if not n:
             continue
         saved, other = _layer_elems_per_token(m, tp, moe)

@@ -122,8 +122,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.rules = tuple(cfg.mesh.rules)
         self.embed = layers.Embed(m, rngs=rngs)
-        self.num_dense = m.num_layers if not m.moe.num_experts else m.moe.first_dense_layers
-        self.num_moe = m.num_layers - self.num_dense
+        self.num_dense, self.num_moe = config_lib.layer_counts(m)
         key = rngs.params()
         self.dense_layers = (
             LayerStack(cfg, use_moe=False, num=self.num_dense, key=jax.random.fold_in(key, 0))
@@ -201,8 +200,7 @@ class Transformer(nnx.Module):
             logits_BTV = self.embed.attend(x_BTD)
         else:
             w_DV = self.unembed[...].astype(x_BTD.dtype)
-            x_MD = x_BTD.reshape(b * t, -1)  # a 2-D matmul: see Attention for why
-            logits_BTV = jnp.matmul(x_MD, w_DV, preferred_element_type=jnp.float32).reshape(b, t, -1)
+            logits_BTV = layers.matmul_rows(x_BTD, w_DV, preferred_element_type=jnp.float32)
         logits_BTV = sharding.constrain(
             logits_BTV.astype(jnp.float32), ("act_batch", "act_length", "act_vocab"), self.rules
         )
