@@ -1,0 +1,137 @@
+"""The attention contract every kernel in this package implements, and its plain-jnp reference.
+
+Dimension key: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N // K query
+heads per kv head, H head dim.
+
+Layout is the model's: q_BTNH, k_BSKH, v_BSKH -> o_BTNH, and a log-sum-exp lse_BTN in f32.
+
+Masking. Query i may attend key j when all of these hold:
+  - causal:          q_positions[i] >= kv_positions[j]
+  - sliding_window w: q_positions[i] - kv_positions[j] < w (and, when not causal, also
+                      kv_positions[j] - q_positions[i] < w)
+  - segment ids:     segment_ids[i] == kv_segment_ids[j] (packed sequences)
+`q_positions` / `kv_positions` are token indices in the full sequence (default 0..T-1 / 0..S-1),
+not RoPE positions: ring attention passes global indices, and the zigzag layout permutes them.
+
+A row with no allowed key gives o = 0 and lse = MASK_VALUE (finite), never NaN, so partial results
+of several key blocks merge through `merge_partials` without special cases.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite: exp(MASK_VALUE - m) underflows to 0 for any real m, and MASK_VALUE - MASK_VALUE is 0, not NaN.
+MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # exactly representable in f32
+
+
+def allowed(q_pos, k_pos, q_seg, k_seg, *, causal: bool, sliding_window: int | None):
+    """Boolean mask from broadcastable position / segment arrays (q along rows, k along columns).
+
+    Pure elementwise jnp, so kernels call it on their blocks (Pallas included). `q_seg`/`k_seg` may be None.
+    """
+    ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), bool)
+    if causal:
+        ok = ok & (q_pos >= k_pos)
+    if sliding_window is not None:
+        ok = ok & (q_pos - k_pos < sliding_window)
+        if not causal:
+            ok = ok & (k_pos - q_pos < sliding_window)
+    if q_seg is not None:
+        ok = ok & (q_seg == k_seg)
+    return ok
+
+
+def mask_args(q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions):
+    """Fills the defaults of the masking arguments: int32 arrays [B, T] and [B, S] (segments may be None)."""
+    b, t, s = q_BTNH.shape[0], q_BTNH.shape[1], k_BSKH.shape[1]
+    if kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("segment_ids and kv_segment_ids: give both or neither (kv defaults to segment_ids)")
+    if segment_ids is not None and kv_segment_ids.shape != (b, s):
+        raise ValueError(
+            f"kv_segment_ids: shape {kv_segment_ids.shape}, expected {(b, s)}; pass it when S != T"
+        )
+    if q_positions is None:
+        q_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    if kv_positions is None:
+        kv_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+    return segment_ids, kv_segment_ids, q_positions, kv_positions
+
+
+def check_shapes(q_BTNH, k_BSKH, v_BSKH) -> None:
+    b, _, n, h = q_BTNH.shape
+    if k_BSKH.shape != v_BSKH.shape or k_BSKH.shape[0] != b or k_BSKH.shape[3] != h:
+        raise ValueError(
+            f"q {q_BTNH.shape}, k {k_BSKH.shape}, v {v_BSKH.shape}: expected [B,T,N,H], [B,S,K,H] x2"
+        )
+    if n % k_BSKH.shape[2]:
+        raise ValueError(f"num query heads {n} must be a multiple of num kv heads {k_BSKH.shape[2]}")
+
+
+def attention_reference(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    causal: bool,
+    segment_ids=None,
+    kv_segment_ids=None,
+    q_positions=None,
+    kv_positions=None,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Einsum attention with f32 scores; O(T*S) memory. Returns o_BTNH (q's dtype), and lse_BTN if asked."""
+    check_shapes(q_BTNH, k_BSKH, v_BSKH)
+    b, t, n, h = q_BTNH.shape
+    kv = k_BSKH.shape[2]
+    scale = h**-0.5 if scale is None else scale
+    q_seg, k_seg, q_pos, k_pos = mask_args(
+        q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions
+    )
+    ok_BTS = allowed(
+        q_pos[:, :, None],
+        k_pos[:, None, :],
+        None if q_seg is None else q_seg[:, :, None],
+        None if k_seg is None else k_seg[:, None, :],
+        causal=causal,
+        sliding_window=sliding_window,
+    )
+    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
+    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
+    ok = ok_BTS[:, None, None]
+    s_BKGTS = jnp.where(ok, s_BKGTS, MASK_VALUE)
+    m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
+    p = jnp.where(ok, jnp.exp(s_BKGTS - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    o_BTKGH = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH.astype(jnp.float32))
+    o_BTNH = o_BTKGH.reshape(b, t, n, h).astype(q_BTNH.dtype)
+    if not return_lse:
+        return o_BTNH
+    lse_BKGT = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), MASK_VALUE)[..., 0]
+    lse_BTN = jnp.transpose(lse_BKGT, (0, 3, 1, 2)).reshape(b, t, n)
+    return o_BTNH, lse_BTN
+
+
+def merge_partials(o1_BTNH, lse1_BTN, o2_BTNH, lse2_BTN):
+    """Combines attention over two disjoint key sets from their (o, lse); f32 in, f32 out."""
+    lse_BTN = jnp.logaddexp(lse1_BTN, lse2_BTN)
+    w1 = jnp.exp(lse1_BTN - lse_BTN)[..., None]
+    w2 = jnp.exp(lse2_BTN - lse_BTN)[..., None]
+    return o1_BTNH * w1 + o2_BTNH * w2, lse_BTN
+
+
+def attention_reference_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, **mask_kwargs):
+    """(dq, dk, dv) of the reference by autodiff: what every kernel's backward must reproduce."""
+
+    def f(q, k, v):
+        return attention_reference(q, k, v, **mask_kwargs)
+
+    _, vjp = jax.vjp(f, q_BTNH, k_BSKH, v_BSKH)
+    return vjp(do_BTNH)
