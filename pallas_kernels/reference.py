@@ -135,3 +135,58 @@ def attention_reference_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, **mask_kwargs):
 
     _, vjp = jax.vjp(f, q_BTNH, k_BSKH, v_BSKH)
     return vjp(do_BTNH)
+
+
+def attention_reference_bwd_from_lse(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    o_BTNH,
+    lse_BTN,
+    do_BTNH,
+    *,
+    causal: bool,
+    segment_ids=None,
+    kv_segment_ids=None,
+    q_positions=None,
+    kv_positions=None,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+):
+    """(dq, dk, dv) for one key block given the FINAL o and lse of the full attention.
+
+    What a block kernel's backward computes when the keys are split across blocks (ring attention):
+    p = exp(s - lse) uses the global lse, and delta = sum(do * o) the global output, so the block
+    gradients of all key blocks add up to the gradient of the full attention. O(T*S) memory.
+    """
+    check_shapes(q_BTNH, k_BSKH, v_BSKH)
+    b, t, n, h = q_BTNH.shape
+    kv = k_BSKH.shape[2]
+    g = n // kv
+    scale = h**-0.5 if scale is None else scale
+    q_seg, k_seg, q_pos, k_pos = mask_args(
+        q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions
+    )
+    ok_BTS = allowed(
+        q_pos[:, :, None],
+        k_pos[:, None, :],
+        None if q_seg is None else q_seg[:, :, None],
+        None if k_seg is None else k_seg[:, None, :],
+        causal=causal,
+        sliding_window=sliding_window,
+    )
+    f32 = jnp.float32
+    q_BTKGH = q_BTNH.astype(f32).reshape(b, t, kv, g, h)
+    do_BTKGH = do_BTNH.astype(f32).reshape(b, t, kv, g, h)
+    k, v = k_BSKH.astype(f32), v_BSKH.astype(f32)
+    lse_BTKG = lse_BTN.reshape(b, t, kv, g)
+    delta_BTKG = jnp.sum(do_BTNH.astype(f32) * o_BTNH.astype(f32), axis=-1).reshape(b, t, kv, g)
+    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k) * scale
+    p = jnp.exp(s_BKGTS - jnp.transpose(lse_BTKG, (0, 2, 3, 1))[..., None])
+    p = jnp.where(ok_BTS[:, None, None], p, 0.0)
+    dv = jnp.einsum("bkgts,btkgh->bskh", p, do_BTKGH)
+    dp = jnp.einsum("btkgh,bskh->bkgts", do_BTKGH, v)
+    ds = p * (dp - jnp.transpose(delta_BTKG, (0, 2, 3, 1))[..., None]) * scale
+    dq = jnp.einsum("bkgts,bskh->btkgh", ds, k).reshape(b, t, n, h)
+    dk = jnp.einsum("bkgts,btkgh->bskh", ds, q_BTKGH)
+    return dq.astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype)

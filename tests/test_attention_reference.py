@@ -79,3 +79,21 @@ def test_mismatched_heads_error_names_the_fix():
     q, k, v = _qkv(1, 3, 3, 3, 2, 8)
     with pytest.raises(ValueError, match="multiple of num kv heads"):
         reference.attention_reference(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_backward_from_lse_adds_up_to_the_full_gradient(causal):
+    q, k, v = _qkv(2, 7, 10, 4, 2, 8, seed=2)
+    do = jax.random.normal(jax.random.key(3), q.shape)
+    o, lse = reference.attention_reference(q, k, v, causal=causal, return_lse=True)
+    want = reference.attention_reference_bwd(q, k, v, do, causal=causal)
+    pos_kv = jnp.broadcast_to(jnp.arange(10)[None], (2, 10))
+    dq = jnp.zeros_like(q)
+    dks, dvs = [], []
+    for sl in (slice(0, 3), slice(3, 10)):
+        dq_i, dk_i, dv_i = reference.attention_reference_bwd_from_lse(
+            q, k[:, sl], v[:, sl], o, lse, do, causal=causal, kv_positions=pos_kv[:, sl]
+        )
+        dq, dks, dvs = dq + dq_i, dks + [dk_i], dvs + [dv_i]
+    got = (dq, jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+    chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
