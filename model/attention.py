@@ -4,8 +4,15 @@ Dimension key: B batch, T query tokens, S key tokens, D model width, N query hea
 G query heads per kv head (N = K * G), H head dim.
 
 `ATTENTION_IMPLS` maps `model.attention_impl` to a function
-`fn(q_BTNH, k_BSKH, v_BSKH, *, causal, segment_ids=None) -> o_BTNH` (self-attention, S == T).
-Kernels from `pallas_kernels` register themselves here under their own names.
+`fn(q_BTNH, k_BSKH, v_BSKH, *, causal, segment_ids=None) -> o_BTNH` (self-attention, S == T):
+  reference      einsum, O(T^2) memory
+  query_blocked  causal blocks of queries, the blocks above the diagonal skipped; O(T^2 / n)
+  chunked        pallas_kernels.chunked_attention: plain XLA online softmax, O(T) memory
+  flash          pallas_kernels.flash_attention: Pallas kernel (interpret mode on CPU: slow)
+  ring           pallas_kernels.ring_attention inside shard_map over the `sequence` mesh axis (the
+                 axis `act_length` maps to); `chunked` when there is no such axis of size > 1
+`ring` masks causally by the layer's `positions` (global token indices), so batches laid out with
+`ring_attention.zigzag` (tokens and positions reordered alike) keep their meaning.
 """
 
 from __future__ import annotations
@@ -81,9 +88,76 @@ def query_blocked_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids
     return jnp.concatenate(outs, axis=1)
 
 
+def chunked_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
+    from pallas_kernels import chunked_attention as kernel
+
+    return kernel.chunked_attention(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
+
+
+def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
+    from pallas_kernels import flash_attention as kernel
+
+    return kernel.flash_attention(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
+
+
+def _ring_axis(rules) -> str | None:
+    """The single mesh axis `act_length` maps to, if any."""
+    target = dict(rules).get("act_length")
+    if isinstance(target, str):
+        return target
+    return target[0] if target and len(target) == 1 else None
+
+
+def ring_self_attention(
+    q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None, positions=None, rules=()
+) -> jax.Array:
+    """Ring attention over the mesh axis of `act_length`, wrapped in `shard_map` here so the layer
+    stays in global (GSPMD) form; `chunked` when no mesh is set or that axis has size 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = _ring_axis(rules)
+    if mesh.empty or axis is None or dict(mesh.shape).get(axis, 1) == 1:
+        return chunked_attention(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
+    from pallas_kernels import ring_attention as kernel
+
+    b, t = q_BTNH.shape[:2]
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    q_spec = sharding.mesh_spec(("act_batch", "act_length", "act_heads", None), rules, mesh)
+    kv_spec = sharding.mesh_spec(("act_batch", "act_length", "act_kv_heads", None), rules, mesh)
+    bt_spec = sharding.mesh_spec(("act_batch", "act_length"), rules, mesh)
+    with_segments = segment_ids is not None
+
+    def local(q, k, v, pos, seg):
+        return kernel.ring_attention(
+            q,
+            k,
+            v,
+            axis_name=axis,
+            causal=causal,
+            segment_ids=seg if with_segments else None,
+            q_positions=pos,
+            kv_positions=pos,
+        )
+
+    # check_vma off: the ring's scan carries start replicated and become device-varying after a hop,
+    # and the annotation API for that differs across the JAX versions we support.
+    ring = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, bt_spec, bt_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )
+    seg = segment_ids if with_segments else jnp.zeros((b, t), jnp.int32)
+    return ring(q_BTNH, k_BSKH, v_BSKH, positions.astype(jnp.int32), seg)
+
+
 ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
     "reference": reference_attention,
     "query_blocked": query_blocked_attention,
+    "chunked": chunked_attention,
+    "flash": flash_attention,
+    "ring": ring_self_attention,
 }
 
 
@@ -159,7 +233,8 @@ class Attention(nnx.Module):
             k_BTKH = sharding.constrain(k_BTKH, kv_act, self.rules)
             v_BTKH = sharding.constrain(v_BTKH, kv_act, self.rules)
             fn = ATTENTION_IMPLS[self.impl]
-            o_BTNH = fn(q_BTNH, k_BTKH, v_BTKH, causal=True, segment_ids=segment_ids_BT)
+            extra = dict(positions=positions_BT, rules=self.rules) if self.impl == "ring" else {}
+            o_BTNH = fn(q_BTNH, k_BTKH, v_BTKH, causal=True, segment_ids=segment_ids_BT, **extra)
         else:
             k_cache = write_cache(cache["k"], k_BTKH, cache["index"])
             v_cache = write_cache(cache["v"], v_BTKH, cache["index"])

@@ -165,7 +165,9 @@ def activation_bytes_per_device(
       matmul outputs  q, k, v and output projections; dense MLP gate, up, down; router logits;
                       shared-expert matmuls
       other           normed inputs, attention output, SwiGLU products, routed-expert tensors
-    plus, with attention_impl='reference', the [heads/tp, t, t] f32 probabilities of each row.
+    plus the attention probabilities of each row in f32: [heads/tp, t, t] with attention_impl
+    'reference', about half of that with 'query_blocked' (autodiff keeps every causal block); the O(t) kernels
+    (chunked, flash, ring) keep only per-block scratch, counted as zero here.
     cfg.model.remat decides what is kept for the backward pass:
       'full'           every layer's residual + one layer's matmul outputs and other
       'dots_saveable'  every layer's residual and matmul outputs + one layer's other
@@ -178,7 +180,8 @@ def activation_bytes_per_device(
     rows = -(-batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]))
     t = -(-seq_len // sizes["sequence"])
     tokens, c = rows * t, jnp.dtype(m.compute_dtype).itemsize
-    probs = rows * -(-m.num_heads // tp) * t * t * 4 if m.attention_impl == "reference" else 0
+    score_rows = {"reference": t, "query_blocked": (t + 128) // 2}.get(m.attention_impl, 0)
+    probs = rows * -(-m.num_heads // tp) * score_rows * t * 4
     num_dense, num_moe = config_lib.layer_counts(m)
     every_layer = one_layer = 0
     for n, moe in ((num_dense, False), (num_moe, True)):

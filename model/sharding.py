@@ -97,13 +97,17 @@ def _drop_trivial(spec: PartitionSpec, mesh) -> PartitionSpec:
     return PartitionSpec(*(keep(e) for e in spec))
 
 
+def mesh_spec(logical_axes: Sequence[str | None], rules: Rules, mesh) -> PartitionSpec:
+    """PartitionSpec of logical names on `mesh`, without its size-1 axes."""
+    return _drop_trivial(logical_to_spec(logical_axes, rules), mesh)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules) -> jax.Array:
     """`with_sharding_constraint` by logical names; a no-op when no mesh is set."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = _drop_trivial(logical_to_spec(logical_axes, rules), mesh)
-    return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, mesh_spec(logical_axes, rules, mesh))
 
 
 def _is_var(x) -> bool:

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import model
 from configs import tiny
@@ -52,13 +53,23 @@ def test_fully_masked_rows_are_zero_not_nan():
     np.testing.assert_array_equal(o[:, 0], 0.0)
 
 
-def test_model_gives_the_same_logits_with_every_impl(monkeypatch):
+def test_model_gives_the_same_logits_and_gradients_with_every_impl(monkeypatch):
     monkeypatch.setattr(attention, "QUERY_BLOCK", 4)  # tiny sequences still span several blocks
     toks = jax.random.randint(jax.random.key(0), (2, 11), 0, 256, jnp.int32)
+    seg = (jnp.arange(11)[None, :] >= jnp.array([[3], [7]])).astype(jnp.int32)  # packed rows
     out = {}
     for impl in sorted(attention.ATTENTION_IMPLS):
         cfg = tiny.get_config()
         cfg.model.attention_impl = impl
-        out[impl] = model.build(cfg)(toks)[0]
-    for impl, logits in out.items():
-        np.testing.assert_allclose(logits, out["reference"], atol=ATOL, rtol=RTOL, err_msg=impl)
+        graphdef, params, rest = nnx.split(model.build(cfg), nnx.Param, ...)
+
+        def loss(params, graphdef=graphdef, rest=rest):
+            logits, aux = nnx.merge(graphdef, params, rest)(toks, segment_ids=seg)
+            return model.next_token_loss(logits, toks) + aux["moe_loss"], logits
+
+        out[impl] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    for impl, ((_, logits), grads) in out.items():
+        (_, want_logits), want_grads = out["reference"]
+        np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=RTOL, err_msg=impl)
+        chex.assert_trees_all_close(grads, want_grads, atol=ATOL, rtol=RTOL, custom_message=impl)
+    assert {"chunked", "flash", "ring"} <= set(out)

@@ -63,17 +63,20 @@ def _ring_fn(mesh, *, causal, layout, block_impl, with_segments, window=None):
 
 
 @pytest.mark.parametrize(
-    "p,causal,layout,segments,window",
+    "p,causal,layout,segments,window,block_impl",
     [
-        (2, True, "contiguous", False, None),
-        (4, True, "zigzag", True, None),
-        (8, True, "zigzag", False, None),
-        (8, True, "contiguous", True, None),
-        (4, False, "contiguous", True, None),
-        (4, True, "contiguous", False, 5),
+        (2, True, "contiguous", False, None, "reference"),
+        (4, True, "zigzag", True, None, "reference"),
+        (8, True, "zigzag", False, None, "reference"),
+        (8, True, "contiguous", True, None, "reference"),
+        (4, False, "contiguous", True, None, "reference"),
+        (4, True, "contiguous", False, 5, "reference"),
+        (8, True, "zigzag", True, None, "chunked"),
+        (4, False, "contiguous", False, 9, "chunked"),
+        (2, True, "zigzag", True, None, "flash"),
     ],
 )
-def test_ring_equals_full_attention(p, causal, layout, segments, window):
+def test_ring_equals_full_attention(p, causal, layout, segments, window, block_impl):
     b, t = 2, 32
     q, k, v, do = _inputs(b, t, 4, 2, 8)
     seg = (jnp.arange(t)[None, :] >= jnp.array([[5], [19]])).astype(jnp.int32)
@@ -82,7 +85,7 @@ def test_ring_equals_full_attention(p, causal, layout, segments, window):
     want_grads = vjp(do)
 
     f = _ring_fn(
-        _mesh(p), causal=causal, layout=layout, block_impl="reference", with_segments=segments, window=window
+        _mesh(p), causal=causal, layout=layout, block_impl=block_impl, with_segments=segments, window=window
     )
     got_o, vjp = jax.vjp(lambda q, k, v: jax.jit(f)(q, k, v, seg), q, k, v)
     np.testing.assert_allclose(got_o, want_o, atol=ATOL, rtol=RTOL)
