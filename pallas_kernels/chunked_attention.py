@@ -299,6 +299,18 @@ def _bwd_blocks(
     return lax.scan(one_kv_block, dq_IBKGXH, xs)
 
 
+def _tie_to(masks: _Masks, x: jax.Array) -> _Masks:
+    """The mask arrays, made to depend on `x` (q) through an optimization barrier.
+
+    Under a `lax.scan` over layers the positions and segment ids are loop constants, and JAX's scan
+    autodiff hoists every loop-invariant value out of the loop, computed for all iterations at once:
+    here the [I, J] stack of block masks (and, through `lax.cond`, the score blocks), O(T^2) memory.
+    Tied to q, they vary with the layer and stay inside the loop, block by block.
+    """
+    masks, _ = lax.optimization_barrier((masks, x))
+    return masks
+
+
 def _sides(masks: _Masks, st: _Static):
     qs = _side(masks.q_pos_BT, masks.q_seg_BT, st.block_q)
     ks = _side(masks.kv_pos_BS, masks.kv_seg_BS, st.block_kv)
@@ -307,7 +319,7 @@ def _sides(masks: _Masks, st: _Static):
 
 def _fwd(q_BTNH, k_BSKH, v_BSKH, masks: _Masks, st: _Static):
     kv = k_BSKH.shape[2]
-    qs, ks, live_IJ = _sides(masks, st)
+    qs, ks, live_IJ = _sides(_tie_to(masks, q_BTNH), st)
     o_IBKGXH, lse_IBKGX = _fwd_blocks(
         _q_blocks(q_BTNH, kv, st.block_q),
         _kv_blocks(k_BSKH, st.block_kv),
@@ -323,7 +335,7 @@ def _fwd(q_BTNH, k_BSKH, v_BSKH, masks: _Masks, st: _Static):
 
 def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks: _Masks, st: _Static):
     t, kv = q_BTNH.shape[1], k_BSKH.shape[2]
-    qs, ks, live_IJ = _sides(masks, st)
+    qs, ks, live_IJ = _sides(_tie_to(masks, q_BTNH), st)
     delta_BTN = jnp.einsum("btnh,btnh->btn", do_BTNH.astype(jnp.float32), o_BTNH.astype(jnp.float32))
     dq_IBKGXH, (dk_JBKYH, dv_JBKYH) = _bwd_blocks(
         _q_blocks(q_BTNH, kv, st.block_q),

@@ -73,3 +73,25 @@ def test_model_gives_the_same_logits_and_gradients_with_every_impl(monkeypatch):
         np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=RTOL, err_msg=impl)
         chex.assert_trees_all_close(grads, want_grads, atol=ATOL, rtol=RTOL, custom_message=impl)
     assert {"chunked", "flash", "ring"} <= set(out)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "flash"])
+def test_model_attention_memory_is_linear_in_length(impl):
+    """Compiled temp memory of the tiny model's forward+backward (layers under lax.scan) grows ~4x
+    when T grows 4x; with `reference` it grows ~16x. Guards against the scan hoisting the O(T^2)
+    stack of block masks out of the layer loop (see chunked_attention._tie_to)."""
+    temp = {}
+    for t in (2048, 8192):
+        cfg = tiny.get_config()
+        cfg.model.attention_impl = impl
+        assert cfg.model.scan_layers
+        graphdef, params, rest = nnx.split(model.build(cfg), nnx.Param, ...)
+
+        def loss(params, toks, graphdef=graphdef, rest=rest):
+            logits, aux = nnx.merge(graphdef, params, rest)(toks)
+            return model.next_token_loss(logits, toks) + aux["moe_loss"]
+
+        toks = jax.ShapeDtypeStruct((1, t), jnp.int32)
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(params, toks).compile()
+        temp[t] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[8192] / temp[2048] <= 4.5, temp
