@@ -51,7 +51,7 @@ def model_defaults() -> ml_collections.ConfigDict:
     m.norm_eps = 1e-6
     m.tie_embeddings = False
     m.qk_norm = False  # Qwen3-style per-head RMSNorm on queries and keys
-    m.attention_impl = "reference"
+    m.attention_impl = "auto"  # flash on TPU/GPU, chunked elsewhere (model/attention.py)
     m.attention_bias = False  # Qwen2 uses a bias on q/k/v projections
 
     m.rope = ml_collections.ConfigDict()

@@ -2,8 +2,8 @@
 
 Colab size: ~95M total parameters, ~29M active per token (16 experts top-2 plus one shared expert,
 8 layers, d_model 512, vocab 8192). `configs/small.py:dense` replaces every MoE layer by a dense SwiGLU
-of the same active width; `:capacity` uses the capacity MoE impl; `:attention=reference` the einsum
-attention; `:experts=32` changes the expert count.
+of the same active width; `:capacity` uses the capacity MoE impl; `:attention=NAME` picks an attention
+impl (default `auto`); `:experts=32` changes the expert count.
 """
 
 from configs import base
@@ -30,8 +30,6 @@ def get_config(arg: str | None = None):
     # Eight layers unroll cheaply; on CPU the unrolled stack trains ~15% faster than the scan (which
     # stacks per-layer residuals with dynamic-update-slices). Pod configs keep scan_layers=True.
     m.scan_layers = False
-    # Causal attention without the blocks above the diagonal (same result as `reference`).
-    m.attention_impl = "query_blocked"
     cfg.batch_size = 8
     cfg.seq_len = 512
     for a in (arg or "").split(","):

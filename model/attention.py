@@ -11,6 +11,8 @@ G query heads per kv head (N = K * G), H head dim.
   flash          pallas_kernels.flash_attention: Pallas kernel (interpret mode on CPU: slow)
   ring           pallas_kernels.ring_attention inside shard_map over the `sequence` mesh axis (the
                  axis `act_length` maps to); `chunked` when there is no such axis of size > 1
+  auto           the default: `flash` on TPU and GPU, `chunked` elsewhere (on CPU it is as fast as
+                 `query_blocked` at 256 tokens and faster from 512 on; see README)
 `ring` masks causally by the layer's `positions` (global token indices), so batches laid out with
 `ring_attention.zigzag` (tokens and positions reordered alike) keep their meaning.
 """
@@ -100,6 +102,11 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -
     return kernel.flash_attention(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
 
 
+def auto_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
+    fn = flash_attention if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else chunked_attention
+    return fn(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
+
+
 def _ring_axis(rules) -> str | None:
     """The single mesh axis `act_length` maps to, if any."""
     target = dict(rules).get("act_length")
@@ -158,6 +165,7 @@ ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
     "chunked": chunked_attention,
     "flash": flash_attention,
     "ring": ring_self_attention,
+    "auto": auto_attention,
 }
 
 
