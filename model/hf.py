@@ -1,0 +1,361 @@
+"""Hugging Face checkpoints: `load(dir) -> (cfg, params)` and `save(cfg, params, dir)`, no torch.
+
+Safetensors are read with safetensors' numpy API, one tensor at a time: every parameter is created with
+`jax.make_array_from_callback`, whose callback reads only the HF tensors (layers, experts) that the
+requested shard covers. A host therefore holds the placed model plus one tensor in flight, never the
+whole model twice, and with a mesh each device's shard is assembled from only what it needs.
+
+Our parameters stack layers ([L, ...] when `scan_layers`) and experts ([E, ...]); HF stores one tensor
+per layer and expert, linear weights as [out, in]. `_TABLE` maps each of our parameter paths to its HF
+name and layout; `hf_config` maps the configs. Supported architectures: `hf_config.ARCHITECTURES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Iterator
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from model import config as config_lib
+from model import hf_config, sharding
+from model.transformer import Transformer
+
+# Buffers some checkpoints carry that are not parameters (recomputed from the config).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """How one of our parameter paths (inside a layer, or top-level) is stored in HF."""
+
+    name: str  # HF name, with {layer} / {expert} / {moe} placeholders
+    layout: str  # "linear": [out, in] stored, ours is its transpose; "flat": 1-D; "same": same shape
+    in_dims: int = 1  # linear: how many of our leading element dims form `in`
+
+
+_LAYER = "model.layers.{layer}."
+_TABLE = {
+    ("attn", "q"): _Entry(_LAYER + "self_attn.q_proj.weight", "linear"),
+    ("attn", "k"): _Entry(_LAYER + "self_attn.k_proj.weight", "linear"),
+    ("attn", "v"): _Entry(_LAYER + "self_attn.v_proj.weight", "linear"),
+    ("attn", "o"): _Entry(_LAYER + "self_attn.o_proj.weight", "linear", in_dims=2),
+    ("attn", "q_bias"): _Entry(_LAYER + "self_attn.q_proj.bias", "flat"),
+    ("attn", "k_bias"): _Entry(_LAYER + "self_attn.k_proj.bias", "flat"),
+    ("attn", "v_bias"): _Entry(_LAYER + "self_attn.v_proj.bias", "flat"),
+    ("attn", "q_norm", "scale"): _Entry(_LAYER + "self_attn.q_norm.weight", "flat"),
+    ("attn", "k_norm", "scale"): _Entry(_LAYER + "self_attn.k_norm.weight", "flat"),
+    ("attn_norm", "scale"): _Entry(_LAYER + "input_layernorm.weight", "flat"),
+    ("mlp_norm", "scale"): _Entry(_LAYER + "post_attention_layernorm.weight", "flat"),
+    ("dense", "gate"): _Entry(_LAYER + "mlp.gate_proj.weight", "linear"),
+    ("dense", "up"): _Entry(_LAYER + "mlp.up_proj.weight", "linear"),
+    ("dense", "down"): _Entry(_LAYER + "mlp.down_proj.weight", "linear"),
+    ("moe", "router"): _Entry(_LAYER + "{moe}.gate.weight", "linear"),
+    ("moe", "gate"): _Entry(_LAYER + "{moe}.experts.{expert}.{gate}.weight", "linear"),
+    ("moe", "up"): _Entry(_LAYER + "{moe}.experts.{expert}.{up}.weight", "linear"),
+    ("moe", "down"): _Entry(_LAYER + "{moe}.experts.{expert}.{down}.weight", "linear"),
+    ("embed", "embedding"): _Entry("model.embed_tokens.weight", "same"),
+    ("unembed",): _Entry("lm_head.weight", "linear"),
+    ("final_norm", "scale"): _Entry("model.norm.weight", "flat"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """One of our parameters: its path, full shape, and which leading dims are layers / experts."""
+
+    path: tuple
+    shape: tuple
+    dtype: np.dtype
+    entry: _Entry
+    layer_ids: tuple  # HF layer index per position of the layer dim ((None,) for top-level params)
+    stacked: bool  # whether the shape has the layer dim (scan_layers) or holds one layer
+    experts: int  # size of the expert dim (0: none)
+
+    @property
+    def lead(self) -> int:
+        return self.stacked + (self.experts > 0)
+
+    @property
+    def elem_shape(self) -> tuple:
+        return self.shape[self.lead :]
+
+    def hf_shape(self) -> tuple:
+        e = self.entry
+        if e.layout == "same":
+            return self.elem_shape
+        if e.layout == "flat":
+            return (math.prod(self.elem_shape),)
+        return (math.prod(self.elem_shape[e.in_dims :]), math.prod(self.elem_shape[: e.in_dims]))
+
+
+def _names(arch: str) -> dict:
+    _, moe, experts = hf_config.ARCHITECTURES[arch]
+    gate, up, down = experts or (None, None, None)
+    return {"moe": moe, "gate": gate, "up": up, "down": down}
+
+
+def _describe(params_state: nnx.State, cfg: ml_collections.ConfigDict) -> list[_Param]:
+    """Our parameters in checkpoint terms, from the (abstract) Param state."""
+    m = cfg.model
+    num_dense, _ = config_lib.layer_counts(m)
+    out = []
+    for path, var in nnx.to_flat_state(params_state):
+        value = sharding.variable_value(var)
+        shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+        if path[0] not in ("dense_layers", "moe_layers"):
+            entry, layer_ids, stacked, experts = _TABLE.get(path), (None,), False, 0
+        else:
+            is_moe = path[0] == "moe_layers"
+            offset = num_dense if is_moe else 0
+            rest = path[2:]
+            stacked = not isinstance(rest[0], int)  # scan_layers: [L, ...]; otherwise a list of layers
+            layer_ids = tuple(offset + i for i in range(shape[0])) if stacked else (offset + rest[0],)
+            key = rest if stacked else rest[1:]
+            if key[0] == "mlp":
+                if is_moe and key[1] == "shared":
+                    raise ValueError("shared experts have no counterpart in the supported HF formats")
+                key = ("moe" if is_moe else "dense",) + key[1:]
+            entry = _TABLE.get(key)
+            experts = m.moe.num_experts if key[0] == "moe" and key[1] != "router" else 0
+        if entry is None:
+            raise ValueError(f"parameter {'/'.join(map(str, path))} has no Hugging Face counterpart")
+        out.append(_Param(path, shape, dtype, entry, layer_ids, stacked, experts))
+    return out
+
+
+def _hf_name(p: _Param, names: dict, layer, expert) -> str:
+    return p.entry.name.format(layer=layer, expert=expert, **names)
+
+
+def _elements(p: _Param, names: dict) -> Iterator[tuple[tuple, str]]:
+    """(index of the element in our parameter's leading dims, HF tensor name) for every stored tensor."""
+    experts = range(p.experts) if p.experts else (None,)
+    for li, layer in enumerate(p.layer_ids):
+        for ei, expert in enumerate(experts):
+            lead = ((li,) if p.stacked else ()) + ((ei,) if p.experts else ())
+            yield lead, _hf_name(p, names, layer, expert)
+
+
+def _to_ours(hf_array: np.ndarray, p: _Param) -> np.ndarray:
+    if p.entry.layout == "linear":
+        return hf_array.T.reshape(p.elem_shape)
+    return hf_array.reshape(p.elem_shape)
+
+
+def _to_hf(elem: np.ndarray, p: _Param) -> np.ndarray:
+    hf_shape = p.hf_shape()
+    if p.entry.layout == "linear":
+        return np.ascontiguousarray(elem.reshape(hf_shape[::-1]).T)
+    return elem.reshape(hf_shape)
+
+
+class _Checkpoint:
+    """Lazy access to the tensors of a directory of safetensors files."""
+
+    def __init__(self, directory: pathlib.Path):
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (directory / "model.safetensors").exists():
+            with safe_open(directory / "model.safetensors", "np") as f:
+                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise FileNotFoundError(
+                f"{directory}: no model.safetensors or model.safetensors.index.json; pass the checkpoint "
+                "directory (PyTorch .bin checkpoints are not read: convert them to safetensors)"
+            )
+        self.directory, self.weight_map = directory, weight_map
+        self._files: dict[str, object] = {}
+
+    def _file(self, name: str):
+        fname = self.weight_map[name]
+        if fname not in self._files:
+            self._files[fname] = safe_open(self.directory / fname, "np").__enter__()
+        return self._files[fname]
+
+    def shape_dtype(self, name: str) -> tuple[tuple, str]:
+        s = self._file(name).get_slice(name)
+        return tuple(s.get_shape()), s.get_dtype()
+
+    def read(self, name: str) -> np.ndarray:
+        return self._file(name).get_tensor(name)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.__exit__(None, None, None)
+        self._files.clear()
+
+
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
+def _check(ckpt: _Checkpoint, params: list[_Param], names: dict, tied: bool) -> None:
+    expected = {}
+    for p in params:
+        for _, name in _elements(p, names):
+            expected[name] = p
+    present = set(ckpt.weight_map)
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
+    ignorable = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
+    if tied:
+        ignorable.add("lm_head.weight")  # some tied checkpoints also store the (identical) output matrix
+    unexpected = sorted(present - set(expected) - ignorable)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} tensor(s) this architecture does not use, e.g. "
+            f"{unexpected[:5]} (a different architecture, or a config.json that does not match the weights?)"
+        )
+    for name, p in expected.items():
+        shape, dtype = ckpt.shape_dtype(name)
+        if shape != p.hf_shape():
+            raise ValueError(f"tensor {name}: shape {shape}, but config.json implies {p.hf_shape()}")
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {dtype}; only float tensors load (dequantize first)")
+
+
+def _reader(ckpt: _Checkpoint, p: _Param, names: dict):
+    """Callback for `make_array_from_callback`: the shard `index` of parameter `p`, read tensor by tensor."""
+    lead = p.lead
+    all_elems = dict(_elements(p, names))
+
+    def read(index: tuple) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(p.shape) - len(index))
+        lead_ranges = [range(p.shape[d])[index[d]] for d in range(lead)]
+        rest = index[lead:]
+        out_shape = tuple(len(r) for r in lead_ranges) + tuple(
+            len(range(p.shape[lead + d])[rest[d]]) for d in range(len(rest))
+        )
+        out = np.empty(out_shape, p.dtype)
+        for pos in np.ndindex(*[len(r) for r in lead_ranges]):
+            key = tuple(r[i] for r, i in zip(lead_ranges, pos))
+            out[pos] = _to_ours(ckpt.read(all_elems[key]), p)[rest].astype(p.dtype)
+        return out
+
+    return read
+
+
+def read_config(directory) -> ml_collections.ConfigDict:
+    """Our config for the checkpoint in `directory` (its config.json)."""
+    path = pathlib.Path(directory) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; pass a Hugging Face checkpoint directory")
+    return hf_config.from_hf(json.loads(path.read_text()))
+
+
+def _abstract(cfg: ml_collections.ConfigDict):
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.split(abstract, nnx.Param, ...)
+
+
+def load(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None = None):
+    """(cfg, params) of an HF checkpoint: `params` is the model's `nnx.Param` state, each array placed
+    with its sharding on `mesh` (or on the default device). `dtype` overrides the parameter dtype."""
+    directory = pathlib.Path(directory)
+    cfg = read_config(directory)
+    if dtype is not None:
+        cfg.model.param_dtype = cfg.model.compute_dtype = str(
+            np.dtype(dtype) if dtype != "bfloat16" else dtype
+        )
+    if mesh is not None:
+        cfg.mesh.shape = ml_collections.ConfigDict(dict(zip(mesh.axis_names, mesh.axis_sizes)))
+    config_lib.validate(cfg, None if mesh is None else mesh.size)
+    _, params_state, _ = _abstract(cfg)
+    params = _describe(params_state, cfg)
+    names = _names(cfg.hf.architecture)
+    ckpt = _Checkpoint(directory)
+    try:
+        _check(ckpt, params, names, bool(cfg.model.tie_embeddings))
+        if mesh is None:
+            shardings = {p.path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for p in params}
+        else:
+            flat = nnx.to_flat_state(sharding.state_shardings(params_state, mesh, cfg.mesh.rules))
+            shardings = {path: s for path, s in flat}
+        values = {}
+        for p in params:
+            values[p.path] = jax.make_array_from_callback(p.shape, shardings[p.path], _reader(ckpt, p, names))
+    finally:
+        ckpt.close()
+    for path, var in nnx.to_flat_state(params_state):
+        var.set_value(values[path])
+    return cfg, params_state
+
+
+def load_model(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None = None):
+    """(cfg, Transformer) with the checkpoint's weights."""
+    cfg, params = load(directory, mesh=mesh, dtype=dtype)
+    graphdef, _, rest = _abstract(cfg)
+    return cfg, nnx.merge(graphdef, params, rest)
+
+
+def save(
+    cfg: ml_collections.ConfigDict, params: nnx.State, directory, *, max_shard_bytes: int = 2**31
+) -> None:
+    """Writes `params` (the `nnx.Param` state) as an HF checkpoint: config.json and safetensors shards
+    (with model.safetensors.index.json when there are several), one parameter on the host at a time."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = hf_config.to_hf(cfg)
+    arch = hf["architectures"][0]
+    names = _names(arch)
+    out_dtype = np.dtype(jax.numpy.dtype(cfg.model.param_dtype))
+    described = _describe(params, cfg)
+    values = dict(nnx.to_flat_state(params))
+    writer = _ShardWriter(directory, max_shard_bytes)
+    for p in described:
+        host = np.asarray(jax.device_get(sharding.variable_value(values[p.path])))
+        for lead, name in _elements(p, names):
+            writer.add(name, _to_hf(host[lead], p).astype(out_dtype))
+        del host
+    writer.finish()
+    (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+
+
+class _ShardWriter:
+    """Writes tensors into safetensors files of at most `max_bytes` (a tensor larger than that gets a
+    file of its own) under temporary names; `finish` renames them `model-NNNNN-of-MMMMM.safetensors`
+    (or `model.safetensors` when there is one) and writes the index."""
+
+    def __init__(self, directory: pathlib.Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.size = 0
+        self.written: list[tuple[pathlib.Path, list[str], int]] = []
+
+    def add(self, name: str, tensor: np.ndarray) -> None:
+        if self.pending and self.size + tensor.nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.size += tensor.nbytes
+
+    def _flush(self) -> None:
+        tmp = self.directory / f".shard-{len(self.written):05d}.safetensors.tmp"
+        save_file(self.pending, str(tmp), metadata={"format": "pt"})
+        self.written.append((tmp, sorted(self.pending), self.size))
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> None:
+        self._flush()
+        total = len(self.written)
+        weight_map, total_size = {}, 0
+        for n, (tmp, tensor_names, nbytes) in enumerate(self.written, start=1):
+            final = "model.safetensors" if total == 1 else f"model-{n:05d}-of-{total:05d}.safetensors"
+            tmp.replace(self.directory / final)
+            weight_map.update({name: final for name in tensor_names})
+            total_size += nbytes
+        index = self.directory / "model.safetensors.index.json"
+        if total > 1:
+            body = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+            index.write_text(json.dumps(body, indent=2, sort_keys=True))
+        elif index.exists():
+            index.unlink()
