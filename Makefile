@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(PY)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,hf,parity]'
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
