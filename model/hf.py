@@ -323,9 +323,7 @@ def load(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None 
     directory = pathlib.Path(directory)
     cfg = read_config(directory)
     if dtype is not None:
-        cfg.model.param_dtype = cfg.model.compute_dtype = str(
-            np.dtype(dtype) if dtype != "bfloat16" else dtype
-        )
+        cfg.model.param_dtype = cfg.model.compute_dtype = str(jnp.dtype(dtype))
     if mesh is not None:
         cfg.mesh.shape = ml_collections.ConfigDict(dict(zip(mesh.axis_names, mesh.axis_sizes)))
     config_lib.validate(cfg, None if mesh is None else mesh.size)

@@ -167,6 +167,17 @@ def test_bf16_checkpoint_loads_in_bf16_and_saves_bit_exact(tmp_path):
         assert b[k].dtype == v.dtype and b[k].tobytes() == v.tobytes(), k
 
 
+def test_dtype_argument_casts_on_load(checkpoints):
+    path, ref = checkpoints["qwen2"]
+    cfg, m = hf.load_model(path, dtype="bfloat16")
+    assert cfg.model.param_dtype == cfg.model.compute_dtype == "bfloat16"
+    assert m.dense_layers.blocks.attn.q[...].dtype == jnp.bfloat16
+    _, m32 = hf.load_model(path)
+    toks = jnp.asarray(np.random.RandomState(2).randint(0, VOCAB, (1, 8)))
+    # bf16 weights and activations: logits move by about 2^-8 relative to their scale.
+    np.testing.assert_allclose(m(toks)[0], m32(toks)[0], atol=0.05 * float(jnp.abs(m32(toks)[0]).max()))
+
+
 def test_our_model_exports_to_transformers(tmp_path):
     cfg = tiny.get_config()
     cfg.model.moe.num_shared_experts = 0  # Qwen3-MoE has no shared expert
