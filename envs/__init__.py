@@ -1,1 +1,6 @@
-"""Environments stepped in separate JAX-free worker processes (issue 5)."""
+"""Environments: task domains, sandbox, worker-process pool and the quality gate. Never imports JAX."""
+
+from envs import registry
+from envs.base import STATUSES, Environment, Episode, Score, SingleTurnEnvironment, Task
+
+__all__ = ["STATUSES", "Environment", "Episode", "Score", "SingleTurnEnvironment", "Task", "registry"]
