@@ -10,8 +10,15 @@ import importlib
 
 from envs.base import Environment
 
-# name -> "module:Class"
-_DOMAINS: dict[str, str] = {}
+# name -> "module:Class"; the built-in domains, imported only when made.
+_DOMAINS: dict[str, str] = {
+    "math": "envs.domains.math_env:MathEnvironment",
+    "code": "envs.domains.code_env:CodeEnvironment",
+    "terminal": "envs.domains.terminal_env:TerminalEnvironment",
+    "scene3d": "envs.domains.scene3d:Scene3DEnvironment",
+    "finance": "envs.domains.finance:FinanceEnvironment",
+    "debug": "envs.domains.debug:DebugEnvironment",  # sleeps / crashes / errors on request: pool tests
+}
 
 
 def register(name: str, target: str) -> None:

@@ -1,1 +1,1 @@
-"""Task domains; each module registers itself in `envs/domains/__init__.py`."""
+"""Task domains (registered by name in `envs/registry.py`)."""
