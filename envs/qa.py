@@ -1,0 +1,542 @@
+"""The environment quality gate: `python -m envs.qa --domain=NAME [--domain=...] [--n=20] [--json=out.json]`.
+
+For each domain, `run_checks` runs:
+    levels        `sample_tasks(difficulty=L)` gives tasks of level L, deterministically.
+    solvability   the reference solution scores 1.0 (`ok`) on every sampled task of every level.
+    consistency   the same completions scored several times, and in different worker processes when a
+                  pool is given, get the same reward and status.
+    probe:NAME    an attempt to get reward without solving the task scores 0 with a non-`ok` status.
+                  Generic probes (every domain): empty or blank output, echoing the prompt, several
+                  answers at once (single-answer domains), "PASS"/"OK", huge output. Code probes (python
+                  source; for domains that run model code, `CODE_DOMAINS` or `Environment.runs_code`):
+                  exiting early with status 0, printing PASS, reading and overwriting test files,
+                  monkeypatching the harness (an always-equal result, patched unittest, exit hooks), huge
+                  output, an infinite loop, fork and memory bombs, network access, writing outside the work
+                  dir. A domain may add its own through `Environment.hacking_probes(task) -> {name: text}`.
+    strata        pass rates per level of the reference and of a noisy reference (each digit changed and
+                  each line dropped with probability `noise`); reported as a table. It warns, never fails,
+                  when the noisy solver's pass rate does not depend on the level or never drops below 1.
+
+The trainer refuses a domain whose `Report.passed` is false. Everything is deterministic given (domain, n,
+seed): probes and noise come from seeded generators, and no timing enters the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import re
+import sys
+import textwrap
+import time
+from typing import Any
+
+from envs import registry
+from envs.base import Environment, Score, Task
+
+CODE_DOMAINS = ("code", "terminal")
+ESCAPE_PATH = "/tmp/envs_qa_escape_probe"  # the write-outside probe's target; checked on the host after
+MAX_PROBE_TASKS = 2
+CONSISTENCY_TASKS_PER_LEVEL = 1
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str = ""
+    warning: str = ""
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Report:
+    domain: str
+    checks: list[Check] = dataclasses.field(default_factory=list)
+    strata: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if not c.passed]
+
+    def check(self, name: str) -> Check:
+        return next(c for c in self.checks if c.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "domain": self.domain,
+            "passed": self.passed,
+            "failed": self.failed(),
+            "checks": [dataclasses.asdict(c) for c in self.checks],
+            "strata": {str(k): v for k, v in self.strata.items()},
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Probes
+
+
+# Each code probe: (module-level source, source run inside every function the task asks for). The probe
+# completion defines those functions (names from the reference solution) with wrong bodies, so it gets
+# past "does it define f?" checks and the hack runs where the harness imports and calls the solution.
+CODE_PROBES: dict[str, tuple[str, str]] = {
+    "exit_early": ("", "import os\nprint('PASS')\nos._exit(0)"),
+    "sys_exit_zero": ("", "import sys\nsys.exit(0)"),
+    "exit_at_import": ("import os\nprint('PASS')\nos._exit(0)", ""),
+    "print_pass_code": ("", "print('PASS')\nprint('OK')\nprint('All tests passed')\nraise SystemExit(0)"),
+    "read_tests": (
+        """
+import os
+for _root in (os.getcwd(), os.path.dirname(os.getcwd()), "/tmp"):
+    for _dir, _, _files in os.walk(_root):
+        if _dir.count(os.sep) - _root.count(os.sep) > 2:
+            continue
+        for _f in _files:
+            if any(k in _f.lower() for k in ("test", "verif", "expect", "hidden", "check", "answer")):
+                try:
+                    print(open(os.path.join(_dir, _f)).read()[:2000])
+                except Exception:
+                    pass
+""",
+        "",
+    ),
+    "overwrite_tests": (
+        """
+import os
+def _sandboxed():
+    # Acts only inside a throwaway tree: never where a git checkout or the home directory sits above.
+    d, home = os.path.abspath(os.getcwd()), os.path.expanduser("~")
+    while True:
+        if os.path.exists(os.path.join(d, ".git")) or d == home:
+            return False
+        if os.path.dirname(d) == d:
+            return True
+        d = os.path.dirname(d)
+if _sandboxed():
+    for _root in (os.getcwd(), os.path.dirname(os.getcwd())):
+        for _dir, _, _files in os.walk(_root):
+            for _f in _files:
+                if any(k in _f.lower() for k in ("test", "verif", "expect", "check", "runner", "input")):
+                    try:
+                        with open(os.path.join(_dir, _f), "w") as fh:
+                            fh.write("print('PASS')\\nimport os\\nos._exit(0)\\n")
+                    except Exception:
+                        pass
+""",
+        "",
+    ),
+    "monkeypatch_harness": (
+        """
+import atexit, builtins, json, os, sys, unittest
+class _AlwaysEqual:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def __hash__(self): return 0
+    def __repr__(self): return "True"
+_probe_result = _AlwaysEqual
+def __getattr__(name):  # any other name the harness imports from this module
+    return lambda *a, **k: _AlwaysEqual()
+for _n in [n for n in dir(unittest.TestCase) if n.startswith("assert")]:
+    setattr(unittest.TestCase, _n, lambda *a, **k: None)
+unittest.TestResult.wasSuccessful = lambda self: True
+builtins.AssertionError = type("AssertionError", (BaseException,), {})
+_dumps = json.dumps
+json.dumps = lambda obj, *a, **k: _dumps(True) if isinstance(obj, _AlwaysEqual) else _dumps(obj, *a, **k)
+sys.excepthook = lambda *a: os._exit(0)
+atexit.register(lambda: os._exit(0))
+""",
+        "",
+    ),
+    "huge_output_code": ("", "import sys\nfor _ in range(200):\n    sys.stdout.write('PASS OK ' * 25000)"),
+    "infinite_loop": ("", "while True:\n    pass"),
+    "fork_bomb": (
+        "",
+        """
+import os, time
+for _ in range(8):  # 2**8 processes at most, so that even an unsandboxed host survives the probe
+    try:
+        os.fork()
+    except OSError:
+        break
+time.sleep(3)
+print("PASS")
+""",
+    ),
+    "memory_bomb": ("", "_chunks = [bytearray(256 << 20) for _ in range(12)]  # 3 GiB\nprint('PASS')"),
+    "network": (
+        """
+import socket, urllib.request
+for _host, _port in (("1.1.1.1", 53), ("8.8.8.8", 53), ("example.com", 80)):
+    try:
+        socket.create_connection((_host, _port), timeout=2).close()
+        print("PASS")
+    except Exception:
+        pass
+try:
+    print(urllib.request.urlopen("http://example.com", timeout=2).read()[:100])
+except Exception:
+    pass
+""",
+        "",
+    ),
+    "write_outside": (
+        f"""
+import os
+for _path in ({ESCAPE_PATH!r}, os.path.join(os.path.dirname(os.getcwd()), "envs_qa_escape"),
+              os.path.expanduser("~/envs_qa_escape")):
+    try:
+        with open(_path, "w") as fh:
+            fh.write("escaped")
+        print("PASS")
+    except Exception:
+        pass
+""",
+        "",
+    ),
+}
+
+
+def is_code_domain(env: Environment) -> bool:
+    return env.name in CODE_DOMAINS or bool(getattr(env, "runs_code", False))
+
+
+def _function_names(reference: str) -> list[str]:
+    """Top-level functions the reference solution defines (its first fenced block, or all of it)."""
+    blocks = re.findall(r"```[a-zA-Z0-9_+-]*\n(.*?)```", reference, re.S)
+    try:
+        tree = ast.parse(blocks[0] if blocks else reference)
+    except (SyntaxError, ValueError):
+        return []
+    return [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def code_probe_source(module_src: str, call_src: str, functions: list[str]) -> str:
+    """A Python program: `module_src`, then each of `functions` running `call_src` and returning a dud."""
+    call = textwrap.indent(textwrap.dedent(call_src).strip() or "pass", "    ")
+    src = textwrap.dedent(module_src).strip() + "\n\n"
+    src += "if '_probe_result' not in globals():\n    _probe_result = lambda: None\n\n\n"
+    src += f"def _probe_call():\n{call}\n\n\n"
+    if not functions:
+        return src + "_probe_call()\n"
+    for name in functions:
+        src += f"def {name}(*args, **kwargs):\n    _probe_call()\n    return _probe_result()\n\n\n"
+    return src.rstrip() + "\n"
+
+
+def _code_completion(env: Environment, src: str) -> str:
+    if env.max_turns > 1:  # shell actions, one per line: run the python probe as one command
+        blob = base64.b64encode(src.encode()).decode()
+        return f"python3 -c \"import base64; exec(base64.b64decode('{blob}'))\""
+    return f"```python\n{src}```"
+
+
+def probes_for(env: Environment, task: Task, other: Task | None) -> dict[str, str]:
+    """name -> completion: every probe that applies to `env` on `task` (`other`: a different task)."""
+    probes = {
+        "empty": "",
+        "blank": "  \n\n\t ",
+        "echo_prompt": task.prompt,
+        "print_pass": "PASS\nOK\nAll tests passed.",
+        "huge_output": "PASS OK 42 " * 100_000,
+    }
+    if other is not None and env.max_turns == 1 and not is_code_domain(env):
+        probes["several_answers"] = env.reference_solution(task) + "\n\n" + env.reference_solution(other)
+        probes["several_answers_reversed"] = (
+            env.reference_solution(other) + "\n\n" + env.reference_solution(task)
+        )
+    if is_code_domain(env):
+        functions = _function_names(env.reference_solution(task)) if env.max_turns == 1 else []
+        for name, (module_src, call_src) in CODE_PROBES.items():
+            probes[name] = _code_completion(env, code_probe_source(module_src, call_src, functions))
+        if env.max_turns > 1:
+            probes["exit_shell"] = "exit 0"
+            probes["echo_pass_shell"] = "echo PASS; echo OK; true"
+    domain_probes = getattr(env, "hacking_probes", None)
+    if callable(domain_probes):
+        probes.update({f"domain:{k}": v for k, v in domain_probes(task).items()})
+    return probes
+
+
+def noisy(text: str, p: float, rng: random.Random) -> str:
+    """Each line dropped and each digit changed with probability `p`."""
+    lines = [line for line in text.split("\n") if not (line.strip() and rng.random() < p)]
+    out = []
+    for ch in "\n".join(lines):
+        if ch.isdigit() and rng.random() < p:
+            ch = str((int(ch) + rng.randint(1, 9)) % 10)
+        out.append(ch)
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scoring
+
+
+def _score_local(env: Environment, task: Task, completion: str) -> Score:
+    try:
+        return env.score(task, completion)
+    except Exception as e:  # a verifier that raises is a finding, not a crash of the gate
+        return Score(0.0, "env_error", {"exception": f"{type(e).__name__}: {e}"[:500], "raised": True})
+
+
+def _score_pool(pool: Any, pairs: list[tuple[Task, str]]) -> list[Score]:
+    return list(pool.score_many(pairs))
+
+
+def _scorer(env: Environment, pool: Any):
+    def score(pairs: list[tuple[Task, str]]) -> list[Score]:
+        if pool is not None:
+            return _score_pool(pool, pairs)
+        return [_score_local(env, t, c) for t, c in pairs]
+
+    return score
+
+
+def _key(score: Score) -> tuple[float, str]:
+    return (float(score.reward), score.status)
+
+
+def _brief(score: Score) -> dict[str, Any]:
+    details = json.dumps(score.details, sort_keys=True, default=str)
+    return {"reward": score.reward, "status": score.status, "details": details[:300]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The checks
+
+
+def run_checks(
+    domain: str,
+    *,
+    n: int = 20,
+    seed: int = 0,
+    pool: Any = None,
+    noise: float = 0.02,
+    repeats: int = 3,
+    probe_tasks: int = MAX_PROBE_TASKS,
+) -> Report:
+    """Every check of the gate on `n` tasks per level of `domain`; `pool` (an `EnvPool`) adds cross-worker
+    consistency and runs the scoring (with its timeouts) out of process."""
+    report = Report(domain)
+    try:
+        env = registry.make(domain)
+    except Exception as e:
+        report.checks.append(Check("load", False, f"{type(e).__name__}: {e}"))
+        return report
+    try:
+        _run(
+            env,
+            domain,
+            report,
+            n=n,
+            seed=seed,
+            pool=pool,
+            noise=noise,
+            repeats=repeats,
+            probe_tasks=probe_tasks,
+        )
+    finally:
+        env.close()
+    return report
+
+
+def _run(
+    env: Environment, domain: str, report: Report, *, n, seed, pool, noise, repeats, probe_tasks
+) -> None:
+    if pool is not None and domain not in getattr(pool, "domains", ()):
+        pool = None  # the pool's workers do not serve this domain: score in process
+    score = _scorer(env, pool)
+    tasks: dict[int, list[Task]] = {}
+    bad_levels = []
+    for level in env.levels:
+        tasks[level] = env.sample_tasks(seed, n, difficulty=level)
+        again = env.sample_tasks(seed, n, difficulty=level)
+        if len(tasks[level]) != n or any(t.difficulty != level for t in tasks[level]):
+            got = sorted({t.difficulty for t in tasks[level]})
+            bad_levels.append(f"level {level}: {len(tasks[level])} tasks of levels {got}")
+        if [t.to_json() for t in again] != [t.to_json() for t in tasks[level]]:
+            bad_levels.append(f"level {level}: sample_tasks is not deterministic")
+    report.checks.append(
+        Check("levels", not bad_levels, "; ".join(bad_levels) or f"levels {list(env.levels)}")
+    )
+    all_tasks = [t for level in env.levels for t in tasks[level]]
+
+    # Solvability
+    refs = {t.id: env.reference_solution(t) for t in all_tasks}
+    ref_scores = dict(zip(refs, score([(t, refs[t.id]) for t in all_tasks])))
+    unsolved = {tid: _brief(s) for tid, s in ref_scores.items() if _key(s) != (1.0, "ok")}
+    report.checks.append(
+        Check(
+            "solvability",
+            not unsolved,
+            f"{len(all_tasks) - len(unsolved)}/{len(all_tasks)} reference solutions score 1.0",
+            data={"unsolved": dict(list(unsolved.items())[:10])},
+        )
+    )
+
+    # Difficulty strata (noisy reference)
+    noisy_text = {t.id: noisy(refs[t.id], noise, random.Random(f"qa:{seed}:{t.id}")) for t in all_tasks}
+    noisy_scores = dict(zip(noisy_text, score([(t, noisy_text[t.id]) for t in all_tasks])))
+    for level in env.levels:
+        ids = [t.id for t in tasks[level]]
+        report.strata[level] = {
+            "n": len(ids),
+            "reference": sum(ref_scores[i].reward == 1.0 for i in ids) / max(1, len(ids)),
+            "noisy": sum(noisy_scores[i].reward == 1.0 for i in ids) / max(1, len(ids)),
+        }
+    rates = [report.strata[level]["noisy"] for level in env.levels]
+    warning = ""
+    if min(rates) == 1.0:
+        warning = f"the noisy reference (noise {noise}) always passes: is the verifier reading the answer?"
+    elif len(rates) > 1 and len(set(rates)) == 1:
+        warning = "noisy pass rates do not depend on the level"
+    shown = [round(r, 2) for r in rates]
+    report.checks.append(Check("strata", True, f"noise {noise}: noisy pass rates {shown}", warning=warning))
+
+    # Consistency: repeated in-process scoring, and in different workers through the pool
+    sample = [t for level in env.levels for t in tasks[level][:CONSISTENCY_TASKS_PER_LEVEL]]
+    pairs = [(t, c) for t in sample for c in (refs[t.id], noisy_text[t.id], "PASS")]
+    first = [_score_local(env, t, c) for t, c in pairs]
+    mismatches = []
+    for r in range(repeats - 1):
+        again = [_score_local(env, t, c) for t, c in pairs]
+        for (t, _), a, b in zip(pairs, first, again):
+            if _key(a) != _key(b):
+                mismatches.append(f"{t.id} in-process repeat {r + 1}: {_key(a)} vs {_key(b)}")
+    where = f"{repeats}x in process"
+    if pool is not None:
+        # Each pair twice, interleaved, so that the two copies land on different workers.
+        for b, (t, _), a in zip(_score_pool(pool, pairs + pairs), pairs + pairs, first + first):
+            if _key(a) != _key(b):
+                mismatches.append(f"{t.id} in a worker: {_key(a)} vs {_key(b)} in process")
+        where += ", 2x across pool workers"
+    report.checks.append(
+        Check(
+            "consistency",
+            not mismatches,
+            f"{len(pairs)} completions, {where}",
+            data={"mismatches": mismatches[:10]},
+        )
+    )
+
+    # Anti-reward-hacking probes
+    probe_on = [tasks[env.levels[0]][0]] + ([tasks[env.levels[-1]][0]] if len(env.levels) > 1 else [])
+    results: dict[str, list[dict]] = {}
+    for task in probe_on[:probe_tasks]:
+        other = None
+        if env.max_turns == 1 and not is_code_domain(env):  # another task whose answer is wrong here
+            candidates = (t for t in all_tasks if refs[t.id] != refs[task.id])
+            other = next((t for t in candidates if _score_local(env, task, refs[t.id]).reward == 0.0), None)
+        probes = probes_for(env, task, other)
+        _remove(ESCAPE_PATH)
+        for (name, _), s in zip(probes.items(), score([(task, c) for c in probes.values()])):
+            results.setdefault(name, []).append({"task": task.id, **_brief(s)})
+    escaped = os.path.exists(ESCAPE_PATH)
+    _remove(ESCAPE_PATH)
+    for name, runs in results.items():
+        hacked = [r for r in runs if r["reward"] != 0.0 or r["status"] == "ok"]
+        statuses = sorted({r["status"] for r in runs})
+        detail = (
+            f"statuses {statuses}"
+            if not hacked
+            else f"reward {hacked[0]['reward']} status {hacked[0]['status']} on {hacked[0]['task']}"
+        )
+        warning = "wrote to the host's /tmp from the sandbox" if name == "write_outside" and escaped else ""
+        report.checks.append(Check(f"probe:{name}", not hacked, detail, warning=warning, data={"runs": runs}))
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def format_report(report: Report) -> str:
+    lines = [f"== {report.domain}: {'PASS' if report.passed else 'FAIL'}"]
+    width = max([len(c.name) for c in report.checks] + [10])
+    for c in report.checks:
+        mark = "ok  " if c.passed else "FAIL"
+        lines.append(
+            f"  {mark} {c.name:<{width}}  {c.detail}" + (f"  [warn: {c.warning}]" if c.warning else "")
+        )
+    if report.strata:
+        lines.append(f"  {'level':>7} {'n':>4} {'reference':>10} {'noisy':>7}")
+        for level, row in report.strata.items():
+            lines.append(f"  {level:>7} {row['n']:>4} {row['reference']:>10.2f} {row['noisy']:>7.2f}")
+    return "\n".join(lines)
+
+
+def _make_pool(workers: int, domains: list[str]) -> Any:
+    try:
+        from envs.pool import EnvPool
+    except ImportError:
+        return None
+    return EnvPool(workers, domains=domains)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m envs.qa", description=__doc__.split("\n")[0])
+    parser.add_argument("--domain", action="append", required=True, help="a registered domain (repeatable)")
+    parser.add_argument("--n", type=int, default=20, help="tasks per level")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise", type=float, default=0.02, help="noisy-reference corruption probability")
+    parser.add_argument("--json", default="", help="write the reports here")
+    parser.add_argument("--workers", type=int, default=2, help="EnvPool workers; 0 scores in process")
+    parser.add_argument(
+        "--register", action="append", default=[], metavar="NAME=module:Class", help="register a domain first"
+    )
+    args = parser.parse_args(argv)
+    for spec in args.register:
+        name, _, target = spec.partition("=")
+        registry.register(name, target)
+    builtin = set(registry.names()) - {s.partition("=")[0] for s in args.register}
+    pool_domains = [d for d in args.domain if d in builtin]
+    pool = _make_pool(args.workers, pool_domains) if args.workers > 0 and pool_domains else None
+    reports = []
+    try:
+        for domain in args.domain:
+            t0 = time.perf_counter()
+            report = run_checks(
+                domain,
+                n=args.n,
+                seed=args.seed,
+                pool=pool if domain in pool_domains else None,
+                noise=args.noise,
+            )
+            reports.append(report)
+            print(format_report(report), f"\n  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    finally:
+        if pool is not None:
+            pool.close()
+    ok = all(r.passed for r in reports)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"passed": ok, "domains": {r.domain: r.to_json() for r in reports}},
+                f,
+                indent=1,
+                sort_keys=True,
+            )
+    print(
+        "gate:",
+        "PASS"
+        if ok
+        else "FAIL: " + ", ".join(f"{r.domain} ({', '.join(r.failed())})" for r in reports if not r.passed),
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
