@@ -2,5 +2,15 @@
 
 from envs import registry
 from envs.base import STATUSES, Environment, Episode, Score, SingleTurnEnvironment, Task
+from envs.pool import EnvPool
 
-__all__ = ["STATUSES", "Environment", "Episode", "Score", "SingleTurnEnvironment", "Task", "registry"]
+__all__ = [
+    "STATUSES",
+    "EnvPool",
+    "Environment",
+    "Episode",
+    "Score",
+    "SingleTurnEnvironment",
+    "Task",
+    "registry",
+]
