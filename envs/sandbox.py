@@ -41,6 +41,7 @@ space needs a larger limit); a command line or environment over the kernel's 128
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -631,6 +632,21 @@ def _cleanup(*paths: pathlib.Path) -> None:
             _rmtree(path)
 
 
+_PRIVATE_ROOT: pathlib.Path | None = None
+
+
+def _private_root() -> pathlib.Path:
+    """A per-process parent for work dirs, mode 0711: sandboxed code (all running as one uid, e.g.
+    `nobody`) can enter its own work dir but cannot list the parent, so the random names of other live
+    sandboxes' work dirs cannot be found."""
+    global _PRIVATE_ROOT
+    if _PRIVATE_ROOT is None or not _PRIVATE_ROOT.exists():
+        _PRIVATE_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="sandboxes-")).resolve()
+        os.chmod(_PRIVATE_ROOT, 0o711)
+        atexit.register(_rmtree, _PRIVATE_ROOT)
+    return _PRIVATE_ROOT
+
+
 class Sandbox:
     """A fresh temporary work dir, reusable across runs (multi-step tasks); a context manager."""
 
@@ -642,8 +658,9 @@ class Sandbox:
         files: dict[str, str | bytes] | None = None,
     ):
         self.limits, self.network = limits, network
-        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-")).resolve()
-        self._snapdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-snap-")).resolve()
+        root = _private_root()
+        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-", dir=root)).resolve()
+        self._snapdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-snap-", dir=root)).resolve()
         self._snapshots = 0
         self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._snapdir)
         self._chown(self.workdir)

@@ -256,3 +256,14 @@ def test_zygote_restarts_after_dying(sb):
     sandbox._ZYGOTE.proc.wait()
     assert sb.run("echo back").stdout == "back\n"
     assert sandbox._ZYGOTE.alive()
+
+
+def test_other_sandboxes_work_dirs_cannot_be_listed():
+    """All sandboxed code runs as one uid: the 0711 parent hides the (random) names of other work dirs."""
+    with sandbox.Sandbox() as a, sandbox.Sandbox() as b:
+        if a.workdir.parent.stat().st_uid == os.geteuid() and os.geteuid() != 0:
+            pytest.skip("sandboxed code runs as the host user here, who owns the parent and may list it")
+        b.write("secret.txt", "s3cret")
+        r = a.run(f"ls {a.workdir.parent}")
+        assert r.status == "error" and "Permission denied" in r.stderr
+        assert b.workdir.name not in r.stdout
