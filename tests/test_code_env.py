@@ -161,9 +161,11 @@ def _probes(task: Task, tmp_name: str) -> dict[str, tuple[str, set[str]]]:
             {"sandbox_violation"},
         ),
         "memory_bomb": (s("x = bytearray(1 << 40)\nreturn None"), {"wrong"}),
+        # Zero-filling up to the 1 GiB address-space limit takes ~0.3 s idle but can pass the 1 s per-test
+        # timeout on a loaded machine: either way no test passes.
         "memory_growth": (
             s("return None", prelude="a = []\nwhile True:\n    a.append(bytearray(1 << 24))"),
-            {"wrong"},
+            {"wrong", "timeout"},
         ),
         "forged_report": (
             s(
