@@ -72,6 +72,21 @@ def check_shapes(q_BTNH, k_BSKH, v_BSKH) -> None:
         raise ValueError(f"num query heads {n} must be a multiple of num kv heads {k_BSKH.shape[2]}")
 
 
+def _full_mask(q_BTNH, k_BSKH, causal, segment_ids, kv_segment_ids, q_positions, kv_positions, window):
+    """The whole [B, T, S] boolean mask (the reference paths only: kernels build it block by block)."""
+    q_seg, k_seg, q_pos, k_pos = mask_args(
+        q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions
+    )
+    return allowed(
+        q_pos[:, :, None],
+        k_pos[:, None, :],
+        None if q_seg is None else q_seg[:, :, None],
+        None if k_seg is None else k_seg[:, None, :],
+        causal=causal,
+        sliding_window=window,
+    )
+
+
 def attention_reference(
     q_BTNH,
     k_BSKH,
@@ -91,16 +106,8 @@ def attention_reference(
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     scale = h**-0.5 if scale is None else scale
-    q_seg, k_seg, q_pos, k_pos = mask_args(
-        q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions
-    )
-    ok_BTS = allowed(
-        q_pos[:, :, None],
-        k_pos[:, None, :],
-        None if q_seg is None else q_seg[:, :, None],
-        None if k_seg is None else k_seg[:, None, :],
-        causal=causal,
-        sliding_window=sliding_window,
+    ok_BTS = _full_mask(
+        q_BTNH, k_BSKH, causal, segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window
     )
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
@@ -164,16 +171,8 @@ def attention_reference_bwd_from_lse(
     kv = k_BSKH.shape[2]
     g = n // kv
     scale = h**-0.5 if scale is None else scale
-    q_seg, k_seg, q_pos, k_pos = mask_args(
-        q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions
-    )
-    ok_BTS = allowed(
-        q_pos[:, :, None],
-        k_pos[:, None, :],
-        None if q_seg is None else q_seg[:, :, None],
-        None if k_seg is None else k_seg[:, None, :],
-        causal=causal,
-        sliding_window=sliding_window,
+    ok_BTS = _full_mask(
+        q_BTNH, k_BSKH, causal, segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window
     )
     f32 = jnp.float32
     q_BTKGH = q_BTNH.astype(f32).reshape(b, t, kv, g, h)
