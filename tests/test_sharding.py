@@ -52,12 +52,12 @@ def reference():
     return out
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: ",".join(f"{k}{v}" for k, v in s.items()))
-@pytest.mark.parametrize("arg", ["", "capacity"])
-def test_sharded_equals_single_device(reference, mesh_shape, arg):
-    toks, ((loss_1, logits_1), grads_1) = reference[arg]
+def _sharded(arg, mesh_shape, toks, attention_impl=None):
+    """(model, mesh, sharded tokens, ((loss, logits), grads)) of the tiny config on `mesh_shape`."""
     cfg = tiny.get_config(arg)
     cfg.model.moe.capacity_factor = 2.0
+    if attention_impl:
+        cfg.model.attention_impl = attention_impl
     cfg.mesh.shape.update({a: 1 for a in sharding.MESH_AXES})
     cfg.mesh.shape.update(mesh_shape)
     mesh = _mesh(mesh_shape)
@@ -65,10 +65,21 @@ def test_sharded_equals_single_device(reference, mesh_shape, arg):
     batch_spec = sharding.logical_to_spec(("act_batch", "act_length"), cfg.mesh.rules)
     with jax.set_mesh(mesh):
         toks_sharded = jax.device_put(toks, NamedSharding(mesh, batch_spec))
-        (loss_n, logits_n), grads_n = _loss_and_grads(m, toks_sharded)
+        return m, mesh, toks_sharded, _loss_and_grads(m, toks_sharded)
+
+
+def _assert_same(got, want):
+    ((loss_n, logits_n), grads_n), ((loss_1, logits_1), grads_1) = got, want
     np.testing.assert_allclose(loss_n, loss_1, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(logits_n, logits_1, atol=ATOL, rtol=RTOL)
     chex.assert_trees_all_close(grads_n, grads_1, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: ",".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.parametrize("arg", ["", "capacity"])
+def test_sharded_equals_single_device(reference, mesh_shape, arg):
+    toks, want = reference[arg]
+    _assert_same(_sharded(arg, mesh_shape, toks)[3], want)
 
 
 def test_parameter_shardings_follow_the_rules():
@@ -113,20 +124,9 @@ def test_constrain_is_a_no_op_without_a_mesh():
 @pytest.mark.parametrize("mesh_shape", [{"sequence": 8}, {"data": 2, "tensor": 2, "sequence": 2}])
 def test_ring_attention_in_the_model_equals_single_device(reference, mesh_shape):
     """attention_impl='ring' runs the ring over the `sequence` axis inside the sharded model."""
-    toks, ((loss_1, logits_1), grads_1) = reference[""]
-    cfg = tiny.get_config()
-    cfg.model.moe.capacity_factor = 2.0
-    cfg.model.attention_impl = "ring"
-    cfg.mesh.shape.update({a: 1 for a in sharding.MESH_AXES})
-    cfg.mesh.shape.update(mesh_shape)
-    mesh = _mesh(mesh_shape)
-    m = model.build(cfg, mesh=mesh)
-    batch_spec = sharding.logical_to_spec(("act_batch", "act_length"), cfg.mesh.rules)
+    toks, want = reference[""]
+    m, mesh, toks_sharded, got = _sharded("", mesh_shape, toks, attention_impl="ring")
     with jax.set_mesh(mesh):
-        toks_sharded = jax.device_put(toks, NamedSharding(mesh, batch_spec))
-        (loss_n, logits_n), grads_n = _loss_and_grads(m, toks_sharded)
         hlo = jax.jit(lambda t: m(t)[0]).lower(toks_sharded).as_text()
     assert "collective_permute" in hlo or "collective-permute" in hlo  # the ring really ran
-    np.testing.assert_allclose(loss_n, loss_1, atol=ATOL, rtol=RTOL)
-    np.testing.assert_allclose(logits_n, logits_1, atol=ATOL, rtol=RTOL)
-    chex.assert_trees_all_close(grads_n, grads_1, atol=ATOL, rtol=RTOL)
+    _assert_same(got, want)
