@@ -107,15 +107,11 @@ class DomainScheduler:
         if self.static_weights is None:
             return {d: 1.0 / len(self.domains) for d in self.domains}
         given = self.static_weights
-        unknown = sorted(set(given) - set(self.domains))
-        if unknown:
+        unknown, missing = sorted(set(given) - set(self.domains)), [d for d in self.domains if d not in given]
+        if unknown or missing:
             raise ValueError(
-                f"static_weights names unknown domains {unknown}; the domains are {self.domains}"
-            )
-        missing = [d for d in self.domains if d not in given]
-        if missing:
-            raise ValueError(
-                f"static_weights has no weight for {missing}; give every domain a weight (0 is ok)"
+                f"static_weights: unknown domains {unknown}, missing {missing}; give each of {self.domains} "
+                "a weight (0 is ok) and no other"
             )
         bad = {d: w for d, w in given.items() if not (math.isfinite(w) and w >= 0)}
         if bad:
@@ -246,15 +242,12 @@ class DomainScheduler:
 # ----------------------------------------------------------------------------------------------------------
 # The environment quality gate
 
-_HOW = lambda domain: f"run `python -m envs.qa --domain={domain}` for the report"  # noqa: E731
 
-
-def refusal_reason(domain: str, report: Any) -> str:
-    """Why `report` (an `envs.qa.Report` or alike: `failed()`, `checks` with `name`, `detail`) refuses it."""
+def _failures(report: Any) -> str:
+    """The failing checks of an `envs.qa.Report` or alike (`failed()`, `checks` with `name`, `detail`)."""
     details = {c.name: c.detail for c in getattr(report, "checks", [])}
     failed = [f"{name} ({details[name]})" if details.get(name) else name for name in report.failed()]
-    why = ", ".join(failed) or "no checks ran"
-    return f"domain {domain!r} failed the quality gate: {why}; {_HOW(domain)}"
+    return ", ".join(failed) or "no checks ran"
 
 
 def admit_domains(domains: Sequence[str], *, gate: Callable[[str], Any] | None = None) -> list[str]:
@@ -267,12 +260,14 @@ def admit_domains(domains: Sequence[str], *, gate: Callable[[str], Any] | None =
     reasons = {}
     for d in domains:
         try:
-            report = gate(d)
+            why = "" if (report := gate(d)).passed else _failures(report)
         except Exception as e:  # a gate that crashes on a domain refuses it, and says how
-            reasons[d] = f"domain {d!r} failed the quality gate: it raised {type(e).__name__}: {e}; {_HOW(d)}"
-            continue
-        if not report.passed:
-            reasons[d] = refusal_reason(d, report)
+            why = f"the gate raised {type(e).__name__}: {e}"
+        if why:
+            reasons[d] = (
+                f"domain {d!r} failed the quality gate: {why}; "
+                f"run `python -m envs.qa --domain={d}` for the report"
+            )
     if reasons:
         raise DomainRefused(reasons)
     return list(domains)

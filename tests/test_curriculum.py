@@ -214,8 +214,11 @@ def test_state_round_trip_resumes_identically():
         (dict(temperature=0.0), "temperature=0.0"),
         (dict(sandbox_second_cost=-1.0), "costs must be >= 0"),
         (dict(static_weights={"a": 1, "b": 1, "c": 1}), "only used with mode='static'"),
-        (dict(mode="static", static_weights={"a": 1, "b": 1, "c": 1, "x": 1}), r"unknown domains \['x'\]"),
-        (dict(mode="static", static_weights={"a": 1, "b": 1}), r"no weight for \['c'\]"),
+        (
+            dict(mode="static", static_weights={"a": 1, "b": 1, "c": 1, "x": 1}),
+            r"unknown domains \['x'\], missing \[\]",
+        ),
+        (dict(mode="static", static_weights={"a": 1, "b": 1}), r"unknown domains \[\], missing \['c'\]"),
         (dict(mode="static", static_weights={"a": 1, "b": -1, "c": 1}), "must be finite and >= 0"),
         (dict(mode="static", static_weights={"a": 0, "b": 0, "c": 0}), "all 0"),
     ],
@@ -298,7 +301,7 @@ def test_admit_domains_refuses_failing_domains_and_says_why():
         "probe:print_pass (reward 1.0 status ok on x-0); run `python -m envs.qa --domain=x` for the report"
     ) in msg
     assert "domain 'empty' failed the quality gate: no checks ran" in msg
-    assert "domain 'boom' failed the quality gate: it raised ZeroDivisionError" in msg
+    assert "domain 'boom' failed the quality gate: the gate raised ZeroDivisionError" in msg
     assert "math" not in msg and "consistency" not in msg
     assert isinstance(e.value, ValueError)
 
