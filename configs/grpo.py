@@ -1,0 +1,61 @@
+"""python -m rl.train --config=configs/grpo.py:tiny --workdir=runs/tiny
+
+GRPO post-training of the `tiny` (tests, CPU) or `small` (Colab) MoE model: `configs/grpo.py:small`.
+The model and mesh blocks come from `configs/tiny.py` / `configs/small.py`; everything the trainer adds
+lives under `cfg.rl`:
+
+  rl.loss       the GRPO objective, read by `rl.grpo.loss_from_config` (see `default_loss_config`)
+  rl.optim      AdamW + warmup/cosine schedule + clipping, read by `rl.train_step.make_optimizer`
+  rl.*          batch geometry and step options read by `rl.train_step` (documented below)
+
+Other owners add their own blocks beside these (rollout, async, checkpoint).
+"""
+
+import ml_collections
+
+from configs import small, tiny
+
+MODELS = {"tiny": tiny, "small": small}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    name = arg or "tiny"
+    if name not in MODELS:
+        raise ValueError(f"configs/grpo.py: unknown argument {name!r}; use one of {sorted(MODELS)}")
+    from rl import grpo  # lazy: `configs` stays importable without pulling in the trainer
+
+    cfg = MODELS[name].get_config()
+    rl = cfg.rl = ml_collections.ConfigDict()
+
+    # Clip ranges, ratio kind, aggregation, KL and truncated-IS cap; field docs in rl/grpo.py.
+    rl.loss = grpo.default_loss_config()
+
+    o = rl.optim = ml_collections.ConfigDict()
+    # Peak learning rate. RL fine-tuning of a pretrained model wants ~1e-6..1e-5; the tiny model starts
+    # from random weights in tests and demos, where 3e-4 makes visible progress in a few steps.
+    o.lr = 3e-4 if name == "tiny" else 1e-5
+    o.b1 = 0.9  # Adam first-moment decay
+    o.b2 = 0.999  # Adam second-moment decay
+    o.eps = 1e-8  # Adam denominator epsilon
+    o.weight_decay = 0.01  # decoupled (AdamW), on every parameter, scaled by the scheduled lr
+    o.warmup_steps = 10  # linear warmup: step s < warmup_steps uses lr * (s + 1) / warmup_steps
+    o.total_steps = 1000  # cosine decay from lr (at warmup_steps) to min_lr_ratio * lr (at total_steps)
+    o.min_lr_ratio = 0.1  # final lr as a fraction of the peak; held after total_steps
+    o.max_grad_norm = 1.0  # global-norm gradient clipping, applied before AdamW
+
+    # Gradient accumulation: the batch of one step is split into this many micro-batches (the batch size
+    # must divide by it); grads add up exactly to the full-batch gradient (see rl/train_step.py).
+    rl.micro_batches = 1
+    # Sampling temperature: training log-probs are of logits / temperature, as the sampler saw them.
+    rl.temperature = 1.0
+    # Routing replay: the training forward uses the experts the sampler chose (batch["expert_indices"]),
+    # so the policy ratio compares the same sparse sub-network on both sides.
+    rl.routing_replay = False
+    rl.group_size = 8  # completions sampled per prompt (n); advantages are relative within a group
+    rl.prompts_per_step = 4 if name == "tiny" else 16  # groups per step (batch = this * group_size)
+    rl.advantage_std = "group"  # rl.grpo.group_advantages(std=...): group | batch | none (Dr. GRPO)
+    rl.max_prompt_len = 16 if name == "tiny" else 256  # prompt tokens kept (left-truncated beyond this)
+    rl.max_new_tokens = 16 if name == "tiny" else 256  # completion tokens sampled per prompt
+    cfg.batch_size = rl.prompts_per_step * rl.group_size
+    cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
+    return cfg

@@ -1,0 +1,345 @@
+"""The pure trainer: `step_fn(state, batch) -> (state, metrics)` for GRPO and for SFT warm starts.
+
+Dimension key: B sequences, T token positions, V vocab, L MoE layers, k experts per token, M micro-batches.
+
+Each step is jitted once with the train state donated; with a mesh, `in_shardings`/`out_shardings` come from
+the logical axes (parameters and optimizer moments: `model.sharding.state_shardings`; batch: `act_batch`,
+`act_length`; step, key and metrics replicated).
+
+Batch (dict of arrays; rows right-padded):
+  tokens_BT          int32  prompt + completion
+  positions_BT       int32
+  mask_BT            f32    1 on the completion tokens trained on
+  advantages_B       f32    (GRPO)
+  behaviour_logp_BT  f32    the sampler's log-prob of each completion token, 0 elsewhere (GRPO)
+  ref_logp_BT        f32    reference log-probs; needed when rl.loss.kl_kind != "none"
+  expert_indices     int32  [L, B, T, k] experts the sampler chose; needed when rl.routing_replay
+
+Gradient accumulation (`rl.micro_batches = M`): row i goes to micro-batch i % M (so every micro-batch spans
+every data shard); a `lax.scan` adds the f32 gradients of `w_m * loss_m + moe_loss_m / M`, where `w_m` is the
+micro-batch's share of the aggregation's units (trained tokens for "token-mean", sequences with tokens for
+"seq-mean-token-mean", rows otherwise). Each loss is a mean over its units, so the sum is exactly the
+full-batch loss and gradient. The MoE load-balance loss is a product of batch means and is the one term that
+is only averaged, not exact, under accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from model import sharding
+from model.transformer import Transformer, build, next_token_loss
+from rl import grpo
+
+Batch = dict[str, jax.Array]
+BT = ("act_batch", "act_length")
+BATCH_AXES = {
+    "tokens_BT": BT,
+    "positions_BT": BT,
+    "mask_BT": BT,
+    "advantages_B": ("act_batch",),
+    "behaviour_logp_BT": BT,
+    "ref_logp_BT": BT,
+    "expert_indices": (None, "act_batch", "act_length", None),
+}
+SFT_KEYS = ("tokens_BT", "positions_BT", "mask_BT")
+
+
+@struct.dataclass
+class TrainState:
+    params: nnx.State  # nnx.State of nnx.Param
+    opt_state: optax.OptState
+    step: jax.Array  # int32 scalar: updates applied so far
+    rng: jax.Array  # typed key; `fold_in(rng, step)` is the key of a step that needs randomness
+
+
+class ModelDef(NamedTuple):
+    """The static half of the model: graph definition plus non-parameter state (constant in training)."""
+
+    graphdef: nnx.GraphDef
+    rest: nnx.State
+
+    def merge(self, params: nnx.State) -> Transformer:
+        return nnx.merge(self.graphdef, params, self.rest)
+
+
+def _as_model_def(graphdef: ModelDef | nnx.GraphDef) -> ModelDef:
+    return graphdef if isinstance(graphdef, ModelDef) else ModelDef(graphdef, nnx.State({}))
+
+
+# --- Optimizer ----------------------------------------------------------------------------------------------
+
+
+def _check_optim(o: ml_collections.ConfigDict) -> None:
+    checks = {
+        "lr": (o.lr > 0, "must be > 0"),
+        "b1": (0 <= o.b1 < 1, "must be in [0, 1)"),
+        "b2": (0 <= o.b2 < 1, "must be in [0, 1)"),
+        "eps": (o.eps > 0, "must be > 0"),
+        "weight_decay": (o.weight_decay >= 0, "must be >= 0"),
+        "warmup_steps": (o.warmup_steps >= 0, "must be >= 0"),
+        "total_steps": (o.total_steps > o.warmup_steps, f"must be > rl.optim.warmup_steps={o.warmup_steps}"),
+        "min_lr_ratio": (0 <= o.min_lr_ratio <= 1, "must be in [0, 1]"),
+        "max_grad_norm": (o.max_grad_norm > 0, "must be > 0"),
+    }
+    for field, (ok, why) in checks.items():
+        if not ok:
+            raise ValueError(f"rl.optim.{field}={o[field]!r} {why}")
+
+
+def make_schedule(optim_cfg: ml_collections.ConfigDict) -> optax.Schedule:
+    """lr * (s + 1) / warmup for s < warmup, then cosine to min_lr_ratio * lr at total_steps, held after."""
+    _check_optim(optim_cfg)
+    lr, warmup, total = optim_cfg.lr, optim_cfg.warmup_steps, optim_cfg.total_steps
+    low = lr * optim_cfg.min_lr_ratio
+
+    def schedule(count):
+        s = jnp.asarray(count, jnp.float32)
+        warm = lr * jnp.minimum(1.0, (s + 1.0) / max(warmup, 1))
+        frac = jnp.clip((s - warmup) / (total - warmup), 0.0, 1.0)
+        cosine = low + (lr - low) * 0.5 * (1.0 + jnp.cos(math.pi * frac))
+        return jnp.where(s < warmup, warm, cosine)
+
+    return schedule
+
+
+def make_optimizer(optim_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on the warmup + cosine schedule of `make_schedule`."""
+    o = optim_cfg
+    return optax.chain(
+        optax.clip_by_global_norm(o.max_grad_norm),
+        optax.adamw(make_schedule(o), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
+    )
+
+
+# --- Shardings ----------------------------------------------------------------------------------------------
+
+
+def _tree_shardings(tree: Any, mesh: jax.sharding.Mesh, rules) -> Any:
+    """Variables (params, Adam moments) by their logical axes; every other leaf replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(
+        lambda x: sharding.state_shardings(x, mesh, rules) if isinstance(x, nnx.Variable) else replicated,
+        tree,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def _batch_shardings(keys, mesh, rules) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(mesh, sharding.mesh_spec(BATCH_AXES[k], rules, mesh)) for k in keys}
+
+
+# --- State --------------------------------------------------------------------------------------------------
+
+
+def init_state(
+    cfg: ml_collections.ConfigDict,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    seed: int = 0,
+    params: nnx.State | None = None,
+) -> tuple[ModelDef, TrainState]:
+    """Builds the model (or takes `params`) and the optimizer state, sharded like the params on `mesh`."""
+    make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    if params is None:
+        graphdef, params, rest = nnx.split(build(cfg, seed=seed, mesh=mesh), nnx.Param, ...)
+    else:
+        graphdef, _, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+        if jax.tree.leaves(rest):  # e.g. a sigmoid router's selection bias: its initial value
+            rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
+    optimizer = make_optimizer(cfg.rl.optim)
+    step, rng = jnp.zeros((), jnp.int32), jax.random.key(seed)
+    if mesh is None:
+        return ModelDef(graphdef, rest), TrainState(params, optimizer.init(params), step, rng)
+    rules = cfg.mesh.rules
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, _tree_shardings(params, mesh, rules))
+        rest = jax.device_put(rest, _tree_shardings(rest, mesh, rules))
+        opt_shardings = _tree_shardings(jax.eval_shape(optimizer.init, params), mesh, rules)
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+        step, rng = jax.device_put((step, rng), NamedSharding(mesh, PartitionSpec()))
+    return ModelDef(graphdef, rest), TrainState(params, opt_state, step, rng)
+
+
+def _abstract_state(cfg, optimizer) -> TrainState:
+    params = jax.eval_shape(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=0)), nnx.Param))
+    step = jax.ShapeDtypeStruct((), jnp.int32)
+    return TrainState(params, jax.eval_shape(optimizer.init, params), step, jax.eval_shape(jax.random.key, 0))
+
+
+# --- Forward and losses -------------------------------------------------------------------------------------
+
+
+def _require_replay(batch: Batch) -> None:
+    if "expert_indices" not in batch:
+        raise ValueError(
+            "rl.routing_replay=True needs batch['expert_indices'] ([L_moe, B, T, k], the experts the "
+            "sampler chose); pass them or set rl.routing_replay=False"
+        )
+
+
+def policy_forward(cfg, graphdef, params: nnx.State, batch: Batch) -> tuple[jax.Array, dict]:
+    """The training forward: logits_BTV and aux, replaying the sampler's routing when rl.routing_replay."""
+    replay = None
+    if cfg.rl.routing_replay:
+        _require_replay(batch)
+        replay = batch["expert_indices"]
+    model = _as_model_def(graphdef).merge(params)
+    return model(batch["tokens_BT"], batch["positions_BT"], expert_indices=replay)
+
+
+def logprobs_fn(cfg: ml_collections.ConfigDict, graphdef):
+    """Jitted `fn(params, tokens_BT, positions_BT, expert_indices=None) -> logp_BT` (teacher-forced, at
+    rl.temperature), for reference and old-policy log-probs."""
+
+    def fn(params, tokens_BT, positions_BT, expert_indices=None):
+        model = _as_model_def(graphdef).merge(params)
+        logits_BTV, _ = model(tokens_BT, positions_BT, expert_indices=expert_indices)
+        return grpo.token_logprobs(logits_BTV, tokens_BT, temperature=cfg.rl.temperature)
+
+    return jax.jit(fn)
+
+
+def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
+    """`w * GRPO loss + moe_loss / M` of one micro-batch, and its metrics weighted the same way."""
+    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
+    logp_BT = grpo.token_logprobs(logits_BTV, mb["tokens_BT"], temperature=cfg.rl.temperature)
+    loss, metrics = grpo.loss_from_config(
+        logp_BT,
+        jax.lax.stop_gradient(logp_BT),  # one update per batch: the proximal policy is the current one
+        mb["advantages_B"],
+        mb["mask_BT"],
+        cfg=cfg.rl.loss,
+        behaviour_logp_BT=mb["behaviour_logp_BT"],
+        ref_logp_BT=mb.get("ref_logp_BT"),
+    )
+    metrics = {k: w * v for k, v in metrics.items()}
+    moe = aux["moe_loss"] / num_micro
+    metrics.update(moe_loss=moe, advantage_mean=jnp.mean(mb["advantages_B"]) / num_micro)
+    metrics["loss"] = w * loss + moe
+    return metrics["loss"], metrics
+
+
+def _sft_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
+    """`w * masked next-token cross-entropy + moe_loss / M` of one micro-batch."""
+    logits_BTV, aux = _as_model_def(graphdef).merge(params)(mb["tokens_BT"], mb["positions_BT"])
+    ce = w * next_token_loss(logits_BTV, mb["tokens_BT"], mb["mask_BT"])
+    moe = aux["moe_loss"] / num_micro
+    return ce + moe, {"loss": ce + moe, "cross_entropy": ce, "moe_loss": moe}
+
+
+def _units_M(aggregation: str, mask_MBT: jax.Array) -> jax.Array:
+    """How many units each micro-batch's loss is a mean over, for the aggregation in use."""
+    if aggregation == "token-mean":
+        return mask_MBT.sum(axis=(1, 2))
+    if aggregation == "seq-mean-token-mean":
+        return (mask_MBT.sum(axis=2) > 0).sum(axis=1).astype(jnp.float32)
+    return jnp.ones(mask_MBT.shape[:1], jnp.float32)  # a mean over rows: micro-batches hold equal rows
+
+
+# --- Steps --------------------------------------------------------------------------------------------------
+
+
+def _split(x: jax.Array, axis: int, num_micro: int) -> jax.Array:
+    """[..., B, ...] -> [M, ..., B / M, ...]; micro-batch m holds rows m, m + M, m + 2M, ..."""
+    b = x.shape[axis]
+    x = x.reshape(x.shape[:axis] + (b // num_micro, num_micro) + x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis + 1, 0)
+
+
+def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
+    num_micro = int(cfg.rl.micro_batches)
+    if num_micro < 1:
+        raise ValueError(f"rl.micro_batches={num_micro} must be >= 1")
+    rules = tuple(cfg.mesh.rules)
+    optimizer, schedule = make_optimizer(cfg.rl.optim), make_schedule(cfg.rl.optim)
+
+    def step(state: TrainState, batch: Batch):
+        rows = batch["tokens_BT"].shape[0]
+        if rows % num_micro:
+            raise ValueError(f"rl.micro_batches={num_micro} does not divide the batch of {rows} rows")
+        micro = {k: _split(v, 1 if k == "expert_indices" else 0, num_micro) for k, v in batch.items()}
+        units_M = units_fn(micro["mask_BT"].astype(jnp.float32))
+        total = units_M.sum()
+        w_M = jnp.where(total > 0, units_M / jnp.maximum(total, 1e-30), 1.0 / num_micro)
+
+        def body(grads, xs):
+            mb, w = xs
+            mb = {k: sharding.constrain(v, BATCH_AXES[k], rules) for k, v in mb.items()}
+            grad_fn = jax.grad(lambda p: loss_fn(cfg, graphdef, p, mb, w, num_micro), has_aux=True)
+            g, metrics = grad_fn(state.params)
+            return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), metrics
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        grads, metrics_M = jax.lax.scan(body, zeros, (micro, w_M))
+        metrics = jax.tree.map(lambda x: x.sum(axis=0), metrics_M)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics.update(
+            grad_norm=optax.global_norm(grads),
+            lr=schedule(state.step),
+            tokens=batch["mask_BT"].astype(jnp.float32).sum(),
+            step=state.step,
+        )
+        return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+    if mesh is None:
+        jitted = jax.jit(step, donate_argnums=0)
+        return lambda state, batch: jitted(state, _select(batch, keys))
+    state_shardings = _tree_shardings(_abstract_state(cfg, optimizer), mesh, rules)
+    batch_shardings = _batch_shardings(keys, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+    def step_fn(state, batch):
+        with jax.set_mesh(mesh):
+            return jitted(state, jax.device_put(_select(batch, keys), batch_shardings))
+
+    return step_fn
+
+
+def _select(batch: Batch, keys: tuple[str, ...]) -> Batch:
+    if "expert_indices" in keys:
+        _require_replay(batch)
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(f"the batch lacks {missing}; it has {sorted(batch)}")
+    return {k: batch[k] for k in keys}
+
+
+def grpo_batch_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The batch entries a GRPO step reads under `cfg` (others are ignored)."""
+    keys = ("tokens_BT", "positions_BT", "mask_BT", "advantages_B", "behaviour_logp_BT")
+    if cfg.rl.loss.kl_kind != "none":
+        keys += ("ref_logp_BT",)
+    if cfg.rl.routing_replay:
+        keys += ("expert_indices",)
+    return keys
+
+
+def make_train_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
+    """`step_fn(state, batch) -> (state, metrics)`: one GRPO update (see the module docstring)."""
+    grpo.validate_loss_config(cfg.rl.loss)
+    units = lambda mask_MBT: _units_M(cfg.rl.loss.aggregation, mask_MBT)
+    return _make_step(cfg, graphdef, mesh, grpo_batch_keys(cfg), _grpo_loss, units)
+
+
+def make_sft_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
+    """`step_fn(state, batch) -> (state, metrics)`: one supervised update on the masked tokens of
+    tokens_BT (cross-entropy + moe_loss), same state and optimizer as GRPO; routing is never replayed."""
+    # The target of position t is token t + 1, counted where mask[:, t + 1]: micro-batches weigh by those.
+    units = lambda mask_MBT: mask_MBT[:, :, 1:].sum(axis=(1, 2))
+    return _make_step(cfg, graphdef, mesh, SFT_KEYS, _sft_loss, units)
