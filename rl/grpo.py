@@ -142,7 +142,9 @@ def _seq_mean_token_sum_norm(x_BT: Array, mask_BT: Array, max_tokens: int | None
     return ((x_BT * mask_BT).sum(axis=1) / max_tokens).mean()
 
 
-def aggregate(x_BT: Array, mask_BT: Array, *, aggregation: str = "token-mean", max_tokens: int | None = None):
+def aggregate(
+    x_BT: Array, mask_BT: Array, *, aggregation: str = "token-mean", max_tokens: int | None = None
+) -> Array:
     """Reduce per-token values over the masked tokens to a scalar with the named aggregation."""
     return lookup(AGGREGATIONS, aggregation, "aggregation")(_f32(x_BT), _f32(mask_BT), max_tokens)
 

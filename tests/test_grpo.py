@@ -28,6 +28,7 @@ def test_advantages_group_std():
     # Group 2 [1,1,1,0]: mean .75, deviations [.25,.25,.25,-.75], var (3 * .0625 + .5625) / 4 = .1875,
     #   std sqrt(.1875) = .4330127 -> .25 / .4330127 = 1 / sqrt(3), -.75 / .4330127 = -sqrt(3).
     adv = grpo.group_advantages(REWARDS, 4, std="group")
+    chex.assert_shape(adv, (8,))
     s3 = math.sqrt(3.0)
     close(adv, [1, -1, -1, 1, 1 / s3, 1 / s3, 1 / s3, -s3])
     assert adv.dtype == jnp.float32
@@ -83,6 +84,7 @@ def test_token_logprobs_against_hand_softmax():
     logits = logits.at[0, 2].set(jnp.array([100.0, 0, 0]))
     tokens = jnp.array([[2, 0, 2]])
     logp = grpo.token_logprobs(logits, tokens)
+    chex.assert_shape(logp, (1, 3))
     close(logp, [[0, math.log(0.25), math.log(0.5)]])
     assert logp.dtype == jnp.float32
 
@@ -114,9 +116,9 @@ def test_clip_branches_and_gradients():
     #   r 1.1, A +1: inside the range                      -> loss -1.1,  grad -1.1
     # token-mean: (-1.28 - .5 + 1.5 + .8 - 1.1) / 5 = -.116; gradients / 5.
     logp = jnp.log(jnp.array(CLIP_R))[:, None]
-    loss, metrics = _clip_loss(logp)
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(_clip_loss, has_aux=True))(logp)
+    chex.assert_rank([loss, *metrics.values()], 0)
     close(loss, -0.116)
-    grad = jax.grad(lambda lp: _clip_loss(lp)[0])(logp)
     close(grad[:, 0], [0.0, -0.1, 0.3, 0.0, -0.22])
     # Clipped: tokens 0 (high side) and 3 (low side) of 5. Mean ratio (1.5+.5+1.5+.5+1.1)/5 = 1.02.
     # approx KL (r-1) - log r: r 1.5 -> .5 - .4054651 = .0945349; r .5 -> -.5 + .6931472 = .1931472;
@@ -134,10 +136,13 @@ def test_clip_higher_is_separate_from_clip_low():
     logp = jnp.full((5, 1), math.log(1.25))
     adv = jnp.ones(5)
     f = lambda lp, hi: grpo.policy_loss(lp, jnp.zeros((5, 1)), adv, jnp.ones((5, 1)), clip_high=hi)[0]
-    close(f(logp, 0.28), -1.25)
-    close(jax.grad(f)(logp, 0.28), np.full((5, 1), -0.25))
-    close(f(logp, 0.2), -1.2)
-    close(jax.grad(f)(logp, 0.2), np.zeros((5, 1)), atol=0)
+    loss_and_grad = jax.jit(jax.value_and_grad(f), static_argnums=1)
+    loss, grad = loss_and_grad(logp, 0.28)
+    close(loss, -1.25)
+    close(grad, np.full((5, 1), -0.25))
+    loss, grad = loss_and_grad(logp, 0.2)
+    close(loss, -1.2)
+    close(grad, np.zeros((5, 1)), atol=0)
     # A wider clip_low keeps r .75 with A -1 trained: min(-.75, -clip(.75)) is -.8 (clipped) at clip_low .2,
     # -.75 (unclipped) at clip_low .3.
     low = lambda cl: grpo.policy_loss(
@@ -214,10 +219,9 @@ def test_gspo_ratio_value_and_gradient():
     #   row 0: -1.2214028 / 2 / 2 = -.3053507 on tokens 0, 1 and 0 on the masked token; row 1: 1 / 3 / 2.
     logp = GSPO_OLD + GSPO_LOG_R
     adv = jnp.array([1.0, -1.0])
-    loss, metrics = _gspo(logp, adv)
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda lp: _gspo(lp, adv), has_aux=True))(logp)
     close(loss, -0.1107014)
     close(metrics["ratio_mean"], (2 * 1.2214028 + 3 * 1.0) / 5)
-    grad = jax.grad(lambda lp: _gspo(lp, adv)[0])(logp)
     close(grad, [[-0.3053507, -0.3053507, 0.0], [1 / 6, 1 / 6, 1 / 6]])
 
     # The same as the gradient of the paper's sequence-level objective -mean_i s_i(theta) A_i.
@@ -225,7 +229,7 @@ def test_gspo_ratio_value_and_gradient():
         log_s = ((lp - GSPO_OLD) * GSPO_MASK).sum(axis=1) / GSPO_MASK.sum(axis=1)
         return -(jnp.exp(log_s) * adv).mean()
 
-    close(grad, jax.grad(sequence_objective)(logp))
+    close(grad, jax.jit(jax.grad(sequence_objective))(logp))
 
 
 def test_gspo_clips_whole_sequences():
@@ -233,9 +237,9 @@ def test_gspo_clips_whole_sequences():
     # Row 1 is unchanged (s_1 = 1): gradient 1/6 per token with A -1. 2 of 5 masked tokens clipped.
     logp = GSPO_OLD + GSPO_LOG_R.at[0, 1].set(0.5).at[0, 0].set(0.5)
     adv = jnp.array([1.0, -1.0])
-    loss, metrics = _gspo(logp, adv)
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda lp: _gspo(lp, adv), has_aux=True))(logp)
     close(loss, (-1.28 + 1.0) / 2)
-    close(jax.grad(lambda lp: _gspo(lp, adv)[0])(logp), [[0, 0, 0], [1 / 6, 1 / 6, 1 / 6]])
+    close(grad, [[0, 0, 0], [1 / 6, 1 / 6, 1 / 6]])
     close(metrics["clip_fraction"], 2 / 5)
 
 
@@ -295,8 +299,8 @@ def test_is_weights_scale_the_loss_as_constants():
     f = lambda lp, w: grpo.policy_loss(lp, jnp.zeros((1, 2)), jnp.ones(1), jnp.ones((1, 2)), is_weights_BT=w)[
         0
     ]
-    close(f(logp, w), -1.25)
-    g_logp, g_w = jax.grad(f, argnums=(0, 1))(logp, w)
+    loss, (g_logp, g_w) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(logp, w)
+    close(loss, -1.25)
     close(g_logp, [[-1.0, -0.25]])
     close(g_w, [[0.0, 0.0]], atol=0)
 
