@@ -426,6 +426,14 @@ class PrefixCache:
             self._blocks.move_to_end(digest)
         self._evict(len(self._by_page) - self.capacity)
 
+    def clear(self) -> None:
+        """Forgets every block (new weights make cached K/V stale); pages sequences hold stay theirs."""
+        pages = list(self._by_page)
+        self._blocks.clear()
+        self._by_page.clear()
+        self.pool.decref(pages)
+        self._stats.update(clears=1)
+
     def reclaimable(self) -> int:
         return len(self._idle_blocks())
 

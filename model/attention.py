@@ -190,6 +190,52 @@ def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) 
     return jax.vmap(one)(cache_BSKH, new_BTKH, start_B)
 
 
+def paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache: dict) -> tuple[jax.Array, dict]:
+    """Writes the T new tokens' K/V into a paged cache and attends over each row's cached tokens.
+
+    `cache` (see `Transformer.__call__`): `k`/`v` [Lc * K, P, Lp, H] hold every layer's pages (layer i owns
+    rows i*K .. i*K + K - 1), `layer` this layer's index, `page_table` [B, M], `start` [B] tokens already
+    cached per row, `num_new` [B] how many of the T tokens are real (the rest is padding, written to the
+    null page 0 and never read). Token t of row b sits at position start + t. One new token per row
+    (decode) uses `pallas_kernels.paged_attention`; more (prefill chunks, speculative verification) gather
+    the row's pages and attend causally by position.
+    """
+    from pallas_kernels import paged_attention
+
+    b, t, n, h = q_BTNH.shape
+    kv = k_BTKH.shape[2]
+    k_all, v_all, table_BM = cache["k"], cache["v"], cache["page_table"]
+    page = k_all.shape[2]
+    start_B, num_new_B = cache["start"], cache["num_new"]
+    pos_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid_BT = jnp.arange(t)[None, :] < num_new_B[:, None]
+    page_idx_BT = jnp.minimum(pos_BT // page, table_BM.shape[1] - 1)
+    page_BT = jnp.where(valid_BT, jnp.take_along_axis(table_BM, page_idx_BT, axis=1), 0)
+    slot_BT = jnp.where(valid_BT, pos_BT % page, 0)
+    rows_K = cache["layer"] * kv + jnp.arange(kv, dtype=jnp.int32)
+    idx = (rows_K[:, None, None], page_BT[None], slot_BT[None])
+    k_all = k_all.at[idx].set(jnp.moveaxis(k_BTKH, 2, 0).astype(k_all.dtype))
+    v_all = v_all.at[idx].set(jnp.moveaxis(v_BTKH, 2, 0).astype(v_all.dtype))
+    k_KPLH = jax.lax.dynamic_slice_in_dim(k_all, cache["layer"] * kv, kv)
+    v_KPLH = jax.lax.dynamic_slice_in_dim(v_all, cache["layer"] * kv, kv)
+    lengths_B = start_B + num_new_B
+    if t == 1:
+        o_BNH = paged_attention.paged_attention(q_BTNH[:, 0], k_KPLH, v_KPLH, lengths_B, table_BM)
+        o_BTNH = o_BNH[:, None]
+    else:
+        m = table_BM.shape[1]
+
+        def rows(pages_KPLH):  # [K, B, M, Lp, H] -> [B, M * Lp, K, H]
+            return jnp.moveaxis(pages_KPLH[:, table_BM], 0, 3).reshape(b, m * page, kv, h)
+
+        key_pos_S = jnp.arange(m * page, dtype=jnp.int32)
+        mask_BTS = key_pos_S[None, None, :] <= pos_BT[:, :, None]
+        o_BTNH = _attend(
+            q_BTNH, rows(k_KPLH).astype(q_BTNH.dtype), rows(v_KPLH).astype(q_BTNH.dtype), mask_BTS
+        )
+    return o_BTNH, dict(cache, k=k_all, v=v_all)
+
+
 class Attention(nnx.Module):
     def __init__(self, m: ml_collections.ConfigDict, rules, *, rngs: nnx.Rngs):
         d, n, kv, h = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
@@ -243,6 +289,8 @@ class Attention(nnx.Module):
             fn = ATTENTION_IMPLS[self.impl]
             extra = dict(positions=positions_BT, rules=self.rules) if self.impl == "ring" else {}
             o_BTNH = fn(q_BTNH, k_BTKH, v_BTKH, causal=True, segment_ids=segment_ids_BT, **extra)
+        elif "page_table" in cache:
+            o_BTNH, cache = paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache)
         else:
             k_cache = write_cache(cache["k"], k_BTKH, cache["index"])
             v_cache = write_cache(cache["v"], v_BTKH, cache["index"])

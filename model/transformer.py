@@ -86,6 +86,8 @@ class LayerStack(nnx.Module):
         def run(block, x, layer_cache, idx):
             return block(x, positions_BT, segment_ids_BT, layer_cache, idx)
 
+        if cache is not None and "page_table" in cache:
+            return self._paged(run, x_BTD, cache, expert_indices_LBTk)
         if self.scan:
             graphdef, state = nnx.split(self.blocks)
 
@@ -106,6 +108,33 @@ class LayerStack(nnx.Module):
             caches.append(layer_cache)
         stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
         return x_BTD, stack(auxes), (None if cache is None else stack(caches))
+
+    def _paged(self, run, x_BTD, cache, expert_indices_LBTk):
+        """The layers over a paged cache: the page arrays are carried (updated in place), layer i of the
+        stack is cache layer `cache["layer"] + i`."""
+        first = cache["layer"]
+
+        if self.scan:
+            graphdef, state = nnx.split(self.blocks)
+            num = jax.tree.leaves(state)[0].shape[0]
+
+            def body(carry, xs):
+                x, k_all, v_all = carry
+                layer_state, i, idx = xs
+                layer_cache = dict(cache, k=k_all, v=v_all, layer=first + i)
+                x, aux, layer_cache = run(nnx.merge(graphdef, layer_state), x, layer_cache, idx)
+                return (x, layer_cache["k"], layer_cache["v"]), aux
+
+            xs = (state, jnp.arange(num, dtype=jnp.int32), expert_indices_LBTk)
+            (x_BTD, k_all, v_all), aux = jax.lax.scan(body, (x_BTD, cache["k"], cache["v"]), xs)
+            return x_BTD, aux, dict(cache, k=k_all, v=v_all)
+        auxes = []
+        for i, block in enumerate(self.blocks):
+            idx = None if expert_indices_LBTk is None else expert_indices_LBTk[i]
+            x_BTD, aux, cache = run(block, x_BTD, dict(cache, layer=first + i), idx)
+            auxes.append(aux)
+        stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
+        return x_BTD, stack(auxes), dict(cache, layer=first)
 
 
 class Transformer(nnx.Module):
@@ -161,6 +190,14 @@ class Transformer(nnx.Module):
             "index": jnp.zeros((batch,), jnp.int32),
         }
 
+    def init_paged_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
+        """Empty page arrays `k`/`v` [num_layers * K, num_pages, page_size, H] for a paged cache (the
+        engine owns the page tables; see `__call__`)."""
+        m = self.cfg.model
+        shape = (m.num_layers * m.num_kv_heads, num_pages, page_size, m.head_dim)
+        dtype = dtype or m.compute_dtype
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
     def __call__(
         self,
         tokens_BT: jax.Array,
@@ -172,8 +209,9 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, dict]:
         m = self.cfg.model
         b, t = tokens_BT.shape
+        paged = kv_cache is not None and "page_table" in kv_cache
         if positions_BT is None:
-            start = 0 if kv_cache is None else kv_cache["index"][:, None]
+            start = 0 if kv_cache is None else kv_cache["start" if paged else "index"][:, None]
             positions_BT = start + jnp.arange(t, dtype=jnp.int32)[None, :]
         positions_BT = jnp.broadcast_to(positions_BT, (b, t))
         x_BTD = sharding.constrain(self.embed(tokens_BT), ACT, self.rules)
@@ -187,6 +225,8 @@ class Transformer(nnx.Module):
 
         new_cache = {}
         moe_aux = {}
+        if paged:
+            return self._paged_call(x_BTD, positions_BT, kv_cache, expert_indices)
         if self.dense_layers is not None:
             x_BTD, _, new_cache["dense"] = self.dense_layers(
                 x_BTD, positions_BT, segment_ids, layer_cache("dense"), None
@@ -195,15 +235,7 @@ class Transformer(nnx.Module):
             x_BTD, moe_aux, new_cache["moe"] = self.moe_layers(
                 x_BTD, positions_BT, segment_ids, layer_cache("moe"), expert_indices
             )
-        x_BTD = self.final_norm(x_BTD)
-        if m.tie_embeddings:
-            logits_BTV = self.embed.attend(x_BTD)
-        else:
-            w_DV = self.unembed[...].astype(x_BTD.dtype)
-            logits_BTV = layers.matmul_rows(x_BTD, w_DV, preferred_element_type=jnp.float32)
-        logits_BTV = sharding.constrain(
-            logits_BTV.astype(jnp.float32), ("act_batch", "act_length", "act_vocab"), self.rules
-        )
+        logits_BTV = self._logits(x_BTD)
         aux = summarize_aux(moe_aux, m.moe)
         if kv_cache is not None:
             aux["kv_cache"] = {
@@ -212,6 +244,38 @@ class Transformer(nnx.Module):
                 "index": kv_cache["index"] + t,
             }
         return logits_BTV, aux
+
+    def _logits(self, x_BTD: jax.Array) -> jax.Array:
+        x_BTD = self.final_norm(x_BTD)
+        if self.cfg.model.tie_embeddings:
+            logits_BTV = self.embed.attend(x_BTD)
+        else:
+            w_DV = self.unembed[...].astype(x_BTD.dtype)
+            logits_BTV = layers.matmul_rows(x_BTD, w_DV, preferred_element_type=jnp.float32)
+        return sharding.constrain(
+            logits_BTV.astype(jnp.float32), ("act_batch", "act_length", "act_vocab"), self.rules
+        )
+
+    def _paged_call(self, x_BTD, positions_BT, kv_cache, expert_indices):
+        """Paged-cache forward: `kv_cache` = {k, v (from `init_paged_cache`), page_table [B, M], start [B],
+        num_new [B]}; returns logits and aux["kv_cache"] with the updated k / v."""
+        cache = {
+            "k": kv_cache["k"],
+            "v": kv_cache["v"],
+            "page_table": kv_cache["page_table"].astype(jnp.int32),
+            "start": kv_cache["start"].astype(jnp.int32),
+            "num_new": kv_cache["num_new"].astype(jnp.int32),
+            "layer": jnp.zeros((), jnp.int32),
+        }
+        moe_aux = {}
+        if self.dense_layers is not None:
+            x_BTD, _, cache = self.dense_layers(x_BTD, positions_BT, None, cache, None)
+        if self.moe_layers is not None:
+            cache = dict(cache, layer=jnp.asarray(self.num_dense, jnp.int32))
+            x_BTD, moe_aux, cache = self.moe_layers(x_BTD, positions_BT, None, cache, expert_indices)
+        aux = summarize_aux(moe_aux, self.cfg.model.moe)
+        aux["kv_cache"] = {"k": cache["k"], "v": cache["v"]}
+        return self._logits(x_BTD), aux
 
 
 def _strip_index(c):

@@ -1,0 +1,208 @@
+"""The engine's device functions: prefill, decode, speculative steps, teacher-forced scoring, page copies.
+
+Dimension key: B rows (decode slots or prefill rows), T tokens per row, K draft tokens, K1 = K + 1, V vocab,
+M pages per row in the page table.
+
+Each is a pure function of (params, cache arrays, small per-row arrays) built from a model graph definition
+and jitted once per shape by `Steps`; the cache arrays are donated, so XLA updates the pages in place.
+Per-row arrays (tokens, starts, counts, page tables, sampling parameters, seeds) are traced values, so a new
+prompt length, sampling setting or batch composition never retraces: only the bucketed shapes do.
+
+Randomness: the token at index `step` of sample `sample` of request `request` is drawn with the key
+`sampling.sample_keys(seed, request, sample, step)`, so runs are reproducible whatever the scheduling, and
+the n samples of a prompt never share a key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inference import sampling, speculative
+from inference.sampling import SamplingArrays
+
+
+def row_keys(seed_B, request_B, sample_B, step_B) -> jax.Array:
+    """One key per row, `sample_keys(seed, request, sample, step)` with a per-row seed."""
+
+    def one(seed, request, sample, step):
+        key = jax.random.fold_in(jax.random.key(seed), request)
+        return jax.random.fold_in(jax.random.fold_in(key, sample), step)
+
+    return jax.vmap(one)(seed_B, request_B, sample_B, step_B)
+
+
+def _cache(kv: dict, table_BM, start_B, num_new_B) -> dict:
+    return {"k": kv["k"], "v": kv["v"], "page_table": table_BM, "start": start_B, "num_new": num_new_B}
+
+
+def _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B):
+    logits_BTV, aux = nnx.merge(graphdef, params)(
+        tokens_BT, kv_cache=_cache(kv, table_BM, start_B, num_new_B)
+    )
+    return logits_BTV, aux["kv_cache"]
+
+
+def prefill(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B):
+    """Writes the K/V of `num_new_B` tokens per row at positions start.. into the pages. The logits are
+    unused, so XLA drops the unembedding."""
+    return _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B)[1]
+
+
+def decode(graphdef, params, kv, tokens_B, table_BM, start_B, active_B, arrays: SamplingArrays, keys):
+    """One token per active row: feeds tokens_B at position start_B, samples the next one.
+
+    Returns (kv, next_B, logp_B under the processed distribution, raw_logp_B untempered)."""
+    logits_BTV, kv = _forward(graphdef, params, kv, tokens_B[:, None], table_BM, start_B, active_B)
+    logits_BV = logits_BTV[:, 0]
+    logp_BV = sampling.processed_logprobs(logits_BV, arrays)
+    next_B, logp_B = sampling.sample_from_logprobs(row_keys(*keys), logp_BV)
+    return kv, next_B, logp_B, sampling.raw_logprobs(logits_BV, next_B)
+
+
+def _processed_rows(logits_BTV, arrays: SamplingArrays):
+    """processed_logprobs at every position of each row, with the row's parameters."""
+    b, t, v = logits_BTV.shape
+    rep = SamplingArrays(*(jnp.repeat(a, t) for a in arrays))
+    return sampling.processed_logprobs(logits_BTV.reshape(b * t, v), rep).reshape(b, t, v)
+
+
+def _verify(
+    graphdef,
+    params,
+    kv,
+    pending_B,
+    draft_BK,
+    draft_logp_BKV,
+    num_draft_B,
+    table_BM,
+    start_B,
+    active_B,
+    arrays,
+    keys,
+):
+    """Target forward over [pending, draft] (K1 positions) and exact verification."""
+    k = draft_BK.shape[1]
+    tokens_BK1 = jnp.concatenate([pending_B[:, None], draft_BK], axis=1)
+    num_new_B = jnp.where(active_B > 0, k + 1, 0)
+    logits_BK1V, kv = _forward(graphdef, params, kv, tokens_BK1, table_BM, start_B, num_new_B)
+    target_logp_BK1V = _processed_rows(logits_BK1V, arrays)
+    verify_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(row_keys(*keys))
+    accepted_B, out_BK1, out_logp_BK1 = speculative.verify(
+        verify_keys, draft_BK, draft_logp_BKV, target_logp_BK1V, num_draft_B
+    )
+    raw_BK1V = jax.nn.log_softmax(logits_BK1V, axis=-1)
+    raw_BK1 = jnp.take_along_axis(raw_BK1V, out_BK1[..., None], axis=-1)[..., 0]
+    return kv, accepted_B, out_BK1, out_logp_BK1, raw_BK1
+
+
+def speculative_model(
+    graphdef,
+    draft_graphdef,
+    params,
+    draft_params,
+    kv,
+    draft_kv,
+    pending_B,
+    table_BM,
+    start_B,
+    active_B,
+    arrays,
+    keys,
+    *,
+    num_draft: int,
+):
+    """Draft `num_draft` tokens with the draft model (its own pages, the same page table), then verify.
+
+    The draft model runs num_draft + 1 single-token steps: the last only writes the K/V of the last draft
+    token, so its cache is complete whatever the target accepts. Returns (kv, draft_kv, accepted_B,
+    tokens_BK1, logp_BK1, raw_BK1)."""
+    base_keys = row_keys(*keys)
+
+    def draft_step(carry, i):
+        draft_kv, token_B = carry
+        logits_BTV, draft_kv = _forward(
+            draft_graphdef, draft_params, draft_kv, token_B[:, None], table_BM, start_B + i, active_B
+        )
+        logp_BV = sampling.processed_logprobs(logits_BTV[:, 0], arrays)
+        step_keys = jax.vmap(lambda key: jax.random.fold_in(jax.random.fold_in(key, 2), i))(base_keys)
+        next_B, _ = sampling.sample_from_logprobs(step_keys, logp_BV)
+        return (draft_kv, next_B), (next_B, logp_BV)
+
+    (draft_kv, _), (draft_KB, draft_logp_KBV) = jax.lax.scan(
+        draft_step, (draft_kv, pending_B), jnp.arange(num_draft + 1, dtype=jnp.int32)
+    )
+    draft_BK = draft_KB[:num_draft].T
+    draft_logp_BKV = jnp.moveaxis(draft_logp_KBV[:num_draft], 0, 1)
+    num_draft_B = jnp.full_like(start_B, num_draft)
+    kv, *out = _verify(
+        graphdef,
+        params,
+        kv,
+        pending_B,
+        draft_BK,
+        draft_logp_BKV,
+        num_draft_B,
+        table_BM,
+        start_B,
+        active_B,
+        arrays,
+        keys,
+    )
+    return (kv, draft_kv, *out)
+
+
+def speculative_tokens(
+    graphdef,
+    params,
+    kv,
+    pending_B,
+    draft_BK,
+    num_draft_B,
+    table_BM,
+    start_B,
+    active_B,
+    arrays,
+    keys,
+    vocab: int,
+):
+    """Verify host-proposed draft tokens (n-gram lookup): their draft distribution is the one-hot on the
+    proposed token, so acceptance is p(x) and a rejection resamples from p with x removed: still exact.
+    Returns (kv, accepted_B, tokens_BK1, logp_BK1, raw_BK1)."""
+    onehot_BKV = jax.nn.one_hot(draft_BK, vocab, dtype=jnp.bool_)
+    draft_logp_BKV = jnp.where(onehot_BKV, 0.0, -jnp.inf)
+    return _verify(
+        graphdef,
+        params,
+        kv,
+        pending_B,
+        draft_BK,
+        draft_logp_BKV,
+        num_draft_B,
+        table_BM,
+        start_B,
+        active_B,
+        arrays,
+        keys,
+    )
+
+
+def score(graphdef, params, tokens_BT, arrays: SamplingArrays):
+    """Teacher-forced (processed_BT, raw_BT): log-probs of tokens[:, t] from the plain forward's logits at
+    t - 1 (position 0 gets 0), under each row's sampling parameters and untempered."""
+    logits_BTV, _ = nnx.merge(graphdef, params)(tokens_BT)
+    targets_BT = jnp.roll(tokens_BT, -1, axis=1)
+    raw_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+    processed_BTV = _processed_rows(logits_BTV, arrays)
+
+    def pick(logp_BTV):
+        picked_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+        return jnp.pad(picked_BT[:, :-1], ((0, 0), (1, 0)))
+
+    return pick(processed_BTV), pick(raw_BTV)
+
+
+def copy_pages(kv: dict, src_N, dst_N) -> dict:
+    """Copy-on-write: pages src -> dst in every layer (padding copies the null page onto itself)."""
+    return {name: a.at[:, dst_N].set(a[:, src_N]) for name, a in kv.items()}
