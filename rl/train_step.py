@@ -284,7 +284,7 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics.update(
-            grad_norm=optax.global_norm(grads),
+            grad_norm=optax.tree.norm(grads),
             lr=schedule(state.step),
             tokens=batch["mask_BT"].astype(jnp.float32).sum(),
             step=state.step,
