@@ -84,7 +84,8 @@ class EngineConfig:
         if self.num_pages and self.num_pages < self.pages_per_seq + 1:
             raise ValueError(
                 f"engine.num_pages={self.num_pages} cannot hold one sequence of "
-                f"max_seq_len={self.max_seq_len} ({self.pages_per_seq} pages + the null page); raise num_pages or use 0 (automatic)."
+                f"max_seq_len={self.max_seq_len} ({self.pages_per_seq} pages + the null page); "
+                "raise num_pages or use 0 (automatic)."
             )
 
     @classmethod
@@ -190,6 +191,7 @@ class Engine:
                 "engine.host_cache_pages must be 0 with a drafter (the host tier moves target pages only)."
             )
         self.draft = draft
+        self._resample_from = "residual"  # "p": the deliberately biased variant, for the tests only
         self.pool = kv_pages.PagePool(e.pool_pages, e.page_size)
         self.table = kv_pages.SequenceTable(self.pool, e.pages_per_seq)
         self.prefix = kv_pages.PrefixCache(self.pool, e.page_size, e.prefix_pages, e.host_cache_pages)
@@ -324,21 +326,11 @@ class Engine:
             arrays = _arrays([SamplingParams()] * rows)
             keys = tuple(zeros(rows) for _ in range(4))
             table = zeros(rows, e.pages_per_seq)
+            dummy = steps.Rows(zeros(rows), table, zeros(rows), zeros(rows), arrays, keys)
             if self.draft is None:
-                self.kv, *_ = self._decode(
-                    self.params, self.kv, zeros(rows), table, zeros(rows), zeros(rows), arrays, keys
-                )
+                self.kv, *_ = self._decode(self.params, self.kv, dummy)
             else:
-                self._run_spec(
-                    zeros(rows),
-                    table,
-                    zeros(rows),
-                    zeros(rows),
-                    arrays,
-                    keys,
-                    zeros(rows, e.num_draft),
-                    zeros(rows),
-                )
+                self._run_spec(dummy, zeros(rows, e.num_draft), zeros(rows))
             if e.host_cache_pages:
                 n = 1
                 while n <= _pow2(e.pages_per_seq):
@@ -524,12 +516,11 @@ class Engine:
                 len(seq.tokens),
             )
             params[b] = seq.params
-        return tokens, table, start, act, _arrays(params), (seed, req, sample, stepi)
+        return steps.Rows(tokens, table, start, act, _arrays(params), (seed, req, sample, stepi))
 
     def _decode_step(self, active) -> list[Completion]:
         active = self._grow(active, 1)
-        tokens, table, start, act, arrays, keys = self._rows(active)
-        self.kv, nxt, logp, raw = self._decode(self.params, self.kv, tokens, table, start, act, arrays, keys)
+        self.kv, nxt, logp, raw = self._decode(self.params, self.kv, self._rows(active))
         nxt, logp, raw = jax.device_get((nxt, logp, raw))
         self._stats["target_row_forwards"] += len(active)
         self._stats["decode_steps"] += 1
@@ -538,18 +529,16 @@ class Engine:
     def _spec_step(self, active) -> list[Completion]:
         k = self.ecfg.num_draft
         active = self._grow(active, k + 1)
-        tokens, table, start, act, arrays, keys = self._rows(active)
-        draft = np.zeros((len(act), k), np.int32)
-        num_draft = np.zeros(len(act), np.int32)
+        rows = self._rows(active)
+        draft = np.zeros((self.ecfg.max_batch, k), np.int32)
+        num_draft = np.zeros(self.ecfg.max_batch, np.int32)
         if isinstance(self.draft, NgramDrafter):
             for b, seq in active:
                 proposal = self.draft.propose(seq.prompt + seq.tokens, k)
                 draft[b, : len(proposal)], num_draft[b] = proposal, len(proposal)
         else:
             num_draft[:] = k
-        accepted, out, logp, raw = jax.device_get(
-            self._run_spec(tokens, table, start, act, arrays, keys, draft, num_draft)
-        )
+        accepted, out, logp, raw = jax.device_get(self._run_spec(rows, draft, num_draft))
         self._stats["target_row_forwards"] += len(active)
         self._stats["spec_steps"] += 1
         finished = []
@@ -557,7 +546,7 @@ class Engine:
             a = int(accepted[b])
             self._stats["proposed_tokens"] += int(num_draft[b])
             self._stats["accepted_tokens"] += a
-            self.table.truncate(seq.id, int(start[b]) + a + 1)
+            self.table.truncate(seq.id, int(rows.start_B[b]) + a + 1)
             c = self._emit(seq, out[b, : a + 1], logp[b, : a + 1], raw[b, : a + 1])
             if c:
                 finished.append(c)
@@ -600,25 +589,18 @@ class Engine:
         return nnx.merge(self._graphdef, self.params)
 
     def _build_steps(self) -> None:
-        g = self._graphdef
-        self._prefill_fn = jax.jit(functools.partial(steps.prefill, g), donate_argnums=1)
-        self._decode = jax.jit(functools.partial(steps.decode, g), donate_argnums=1)
-        self._score = jax.jit(functools.partial(steps.score, g))
-        self._copy = jax.jit(steps.copy_pages, donate_argnums=0)
+        """The jitted steps, shared by every engine over the same model graph and sizes (no re-tracing
+        when an engine is rebuilt)."""
+        g, e = self._graphdef, self.ecfg
+        self._prefill_fn = _jitted("prefill", g)
+        self._decode = _jitted("decode", g)
+        self._score = _jitted("score", g)
+        self._copy = _jitted("copy")
         if isinstance(self.draft, ModelDrafter):
-            self._draft_prefill = jax.jit(
-                functools.partial(steps.prefill, self.draft.graphdef), donate_argnums=1
-            )
-            self._spec = jax.jit(
-                functools.partial(
-                    steps.speculative_model, g, self.draft.graphdef, num_draft=self.ecfg.num_draft
-                ),
-                donate_argnums=(2, 3),
-            )
+            self._draft_prefill = _jitted("prefill", self.draft.graphdef)
+            self._spec = _jitted("spec_model", g, self.draft.graphdef, e.num_draft, self._resample_from)
         elif isinstance(self.draft, NgramDrafter):
-            self._spec = jax.jit(
-                functools.partial(steps.speculative_tokens, g, vocab=self.vocab), donate_argnums=1
-            )
+            self._spec = _jitted("spec_tokens", g, self.vocab, self._resample_from)
 
     def _run_prefill(self, tokens, table, start, num) -> None:
         self.kv = self._prefill_fn(self.params, self.kv, tokens, table, start, num)
@@ -639,24 +621,13 @@ class Engine:
             if self.draft_kv is not None:
                 self.draft_kv = self._copy(self.draft_kv, src, dst)
 
-    def _run_spec(self, tokens, table, start, act, arrays, keys, draft, num_draft):
+    def _run_spec(self, rows: steps.Rows, draft, num_draft):
         if isinstance(self.draft, ModelDrafter):
             self.kv, self.draft_kv, *out = self._spec(
-                self.params,
-                self.draft.params,
-                self.kv,
-                self.draft_kv,
-                tokens,
-                table,
-                start,
-                act,
-                arrays,
-                keys,
+                self.params, self.draft.params, self.kv, self.draft_kv, rows
             )
         else:
-            self.kv, *out = self._spec(
-                self.params, self.kv, tokens, draft, num_draft, table, start, act, arrays, keys
-            )
+            self.kv, *out = self._spec(self.params, self.kv, rows, draft, num_draft)
         return out
 
     def _counting(self):
@@ -675,6 +646,25 @@ class _Counting:
 
     def __exit__(self, *exc):
         _TLS.counter = self.saved
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(kind: str, *static):
+    if kind == "prefill":
+        return jax.jit(functools.partial(steps.prefill, *static), donate_argnums=1)
+    if kind == "decode":
+        return jax.jit(functools.partial(steps.decode, *static), donate_argnums=1)
+    if kind == "score":
+        return jax.jit(functools.partial(steps.score, *static))
+    if kind == "copy":
+        return jax.jit(steps.copy_pages, donate_argnums=0)
+    if kind == "spec_model":
+        g, draft_g, k, resample_from = static
+        fn = functools.partial(steps.speculative_model, g, draft_g, num_draft=k, resample_from=resample_from)
+        return jax.jit(fn, donate_argnums=(2, 3))
+    g, vocab, resample_from = static
+    fn = functools.partial(steps.speculative_tokens, g, vocab=vocab, resample_from=resample_from)
+    return jax.jit(fn, donate_argnums=1)
 
 
 def _arrays(params: Sequence[SamplingParams]) -> SamplingArrays:

@@ -15,6 +15,8 @@ the n samples of a prompt never share a key.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,17 +52,6 @@ def prefill(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B):
     return _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B)[1]
 
 
-def decode(graphdef, params, kv, tokens_B, table_BM, start_B, active_B, arrays: SamplingArrays, keys):
-    """One token per active row: feeds tokens_B at position start_B, samples the next one.
-
-    Returns (kv, next_B, logp_B under the processed distribution, raw_logp_B untempered)."""
-    logits_BTV, kv = _forward(graphdef, params, kv, tokens_B[:, None], table_BM, start_B, active_B)
-    logits_BV = logits_BTV[:, 0]
-    logp_BV = sampling.processed_logprobs(logits_BV, arrays)
-    next_B, logp_B = sampling.sample_from_logprobs(row_keys(*keys), logp_BV)
-    return kv, next_B, logp_B, sampling.raw_logprobs(logits_BV, next_B)
-
-
 def _processed_rows(logits_BTV, arrays: SamplingArrays):
     """processed_logprobs at every position of each row, with the row's parameters."""
     b, t, v = logits_BTV.shape
@@ -68,29 +59,40 @@ def _processed_rows(logits_BTV, arrays: SamplingArrays):
     return sampling.processed_logprobs(logits_BTV.reshape(b * t, v), rep).reshape(b, t, v)
 
 
-def _verify(
-    graphdef,
-    params,
-    kv,
-    pending_B,
-    draft_BK,
-    draft_logp_BKV,
-    num_draft_B,
-    table_BM,
-    start_B,
-    active_B,
-    arrays,
-    keys,
-):
+class Rows(NamedTuple):
+    """The decode slots' per-row inputs: pending tokens (fed at position start), page tables, starts,
+    active flags (0/1), sampling parameters and key names (seed, request, sample, step)."""
+
+    pending_B: jax.Array
+    table_BM: jax.Array
+    start_B: jax.Array
+    active_B: jax.Array
+    arrays: SamplingArrays
+    keys: tuple
+
+
+def decode(graphdef, params, kv, rows: Rows):
+    """One token per active row: feeds the pending token at position start, samples the next one.
+
+    Returns (kv, next_B, logp_B under the processed distribution, raw_logp_B untempered)."""
+    tokens_BT = rows.pending_B[:, None]
+    logits_BTV, kv = _forward(graphdef, params, kv, tokens_BT, rows.table_BM, rows.start_B, rows.active_B)
+    logits_BV = logits_BTV[:, 0]
+    logp_BV = sampling.processed_logprobs(logits_BV, rows.arrays)
+    next_B, logp_B = sampling.sample_from_logprobs(row_keys(*rows.keys), logp_BV)
+    return kv, next_B, logp_B, sampling.raw_logprobs(logits_BV, next_B)
+
+
+def _verify(graphdef, params, kv, rows: Rows, draft_BK, draft_logp_BKV, num_draft_B, resample_from):
     """Target forward over [pending, draft] (K1 positions) and exact verification."""
     k = draft_BK.shape[1]
-    tokens_BK1 = jnp.concatenate([pending_B[:, None], draft_BK], axis=1)
-    num_new_B = jnp.where(active_B > 0, k + 1, 0)
-    logits_BK1V, kv = _forward(graphdef, params, kv, tokens_BK1, table_BM, start_B, num_new_B)
-    target_logp_BK1V = _processed_rows(logits_BK1V, arrays)
-    verify_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(row_keys(*keys))
+    tokens_BK1 = jnp.concatenate([rows.pending_B[:, None], draft_BK], axis=1)
+    num_new_B = jnp.where(rows.active_B > 0, k + 1, 0)
+    logits_BK1V, kv = _forward(graphdef, params, kv, tokens_BK1, rows.table_BM, rows.start_B, num_new_B)
+    target_logp_BK1V = _processed_rows(logits_BK1V, rows.arrays)
+    verify_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(row_keys(*rows.keys))
     accepted_B, out_BK1, out_logp_BK1 = speculative.verify(
-        verify_keys, draft_BK, draft_logp_BKV, target_logp_BK1V, num_draft_B
+        verify_keys, draft_BK, draft_logp_BKV, target_logp_BK1V, num_draft_B, _resample_from=resample_from
     )
     raw_BK1V = jax.nn.log_softmax(logits_BK1V, axis=-1)
     raw_BK1 = jnp.take_along_axis(raw_BK1V, out_BK1[..., None], axis=-1)[..., 0]
@@ -104,88 +106,53 @@ def speculative_model(
     draft_params,
     kv,
     draft_kv,
-    pending_B,
-    table_BM,
-    start_B,
-    active_B,
-    arrays,
-    keys,
+    rows: Rows,
     *,
     num_draft: int,
+    resample_from: str = "residual",
 ):
     """Draft `num_draft` tokens with the draft model (its own pages, the same page table), then verify.
 
     The draft model runs num_draft + 1 single-token steps: the last only writes the K/V of the last draft
     token, so its cache is complete whatever the target accepts. Returns (kv, draft_kv, accepted_B,
     tokens_BK1, logp_BK1, raw_BK1)."""
-    base_keys = row_keys(*keys)
+    base_keys = row_keys(*rows.keys)
 
     def draft_step(carry, i):
         draft_kv, token_B = carry
         logits_BTV, draft_kv = _forward(
-            draft_graphdef, draft_params, draft_kv, token_B[:, None], table_BM, start_B + i, active_B
+            draft_graphdef,
+            draft_params,
+            draft_kv,
+            token_B[:, None],
+            rows.table_BM,
+            rows.start_B + i,
+            rows.active_B,
         )
-        logp_BV = sampling.processed_logprobs(logits_BTV[:, 0], arrays)
+        logp_BV = sampling.processed_logprobs(logits_BTV[:, 0], rows.arrays)
         step_keys = jax.vmap(lambda key: jax.random.fold_in(jax.random.fold_in(key, 2), i))(base_keys)
         next_B, _ = sampling.sample_from_logprobs(step_keys, logp_BV)
         return (draft_kv, next_B), (next_B, logp_BV)
 
     (draft_kv, _), (draft_KB, draft_logp_KBV) = jax.lax.scan(
-        draft_step, (draft_kv, pending_B), jnp.arange(num_draft + 1, dtype=jnp.int32)
+        draft_step, (draft_kv, rows.pending_B), jnp.arange(num_draft + 1, dtype=jnp.int32)
     )
     draft_BK = draft_KB[:num_draft].T
     draft_logp_BKV = jnp.moveaxis(draft_logp_KBV[:num_draft], 0, 1)
-    num_draft_B = jnp.full_like(start_B, num_draft)
-    kv, *out = _verify(
-        graphdef,
-        params,
-        kv,
-        pending_B,
-        draft_BK,
-        draft_logp_BKV,
-        num_draft_B,
-        table_BM,
-        start_B,
-        active_B,
-        arrays,
-        keys,
-    )
+    num_draft_B = jnp.full_like(rows.start_B, num_draft)
+    kv, *out = _verify(graphdef, params, kv, rows, draft_BK, draft_logp_BKV, num_draft_B, resample_from)
     return (kv, draft_kv, *out)
 
 
 def speculative_tokens(
-    graphdef,
-    params,
-    kv,
-    pending_B,
-    draft_BK,
-    num_draft_B,
-    table_BM,
-    start_B,
-    active_B,
-    arrays,
-    keys,
-    vocab: int,
+    graphdef, params, kv, rows: Rows, draft_BK, num_draft_B, *, vocab: int, resample_from: str = "residual"
 ):
     """Verify host-proposed draft tokens (n-gram lookup): their draft distribution is the one-hot on the
     proposed token, so acceptance is p(x) and a rejection resamples from p with x removed: still exact.
     Returns (kv, accepted_B, tokens_BK1, logp_BK1, raw_BK1)."""
     onehot_BKV = jax.nn.one_hot(draft_BK, vocab, dtype=jnp.bool_)
     draft_logp_BKV = jnp.where(onehot_BKV, 0.0, -jnp.inf)
-    return _verify(
-        graphdef,
-        params,
-        kv,
-        pending_B,
-        draft_BK,
-        draft_logp_BKV,
-        num_draft_B,
-        table_BM,
-        start_B,
-        active_B,
-        arrays,
-        keys,
-    )
+    return _verify(graphdef, params, kv, rows, draft_BK, draft_logp_BKV, num_draft_B, resample_from)
 
 
 def score(graphdef, params, tokens_BT, arrays: SamplingArrays):
