@@ -242,7 +242,9 @@ def _units_M(aggregation: str, mask_MBT: jax.Array) -> jax.Array:
         return mask_MBT.sum(axis=(1, 2))
     if aggregation == "seq-mean-token-mean":
         return (mask_MBT.sum(axis=2) > 0).sum(axis=1).astype(jnp.float32)
-    return jnp.ones(mask_MBT.shape[:1], jnp.float32)  # a mean over rows: micro-batches hold equal rows
+    # seq-mean-token-sum-norm is a mean over rows, and micro-batches hold equal rows. Any other registered
+    # aggregation is averaged with equal weights too: exact only if it is a mean over rows.
+    return jnp.ones(mask_MBT.shape[:1], jnp.float32)
 
 
 # --- Steps --------------------------------------------------------------------------------------------------

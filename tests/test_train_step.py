@@ -4,9 +4,10 @@ full batch; sharded equals one device; routing replay; optimizer schedule and fi
 The test config differs from configs/grpo.py:tiny in three ways, each for a stated reason:
 - lr 1e-2, no warmup: a few steps move log-probs visibly.
 - Adam eps 1e-3: Adam's first update is lr * g / (|g| + eps), so two gradients equal in exact arithmetic
-  but differing by f32 rounding (~5e-9 on small components) move a parameter by up to lr * 5e-9 / eps; with
-  eps = 1e-8 that is a sign flip (2 * lr), with eps = 1e-3 it is ~5e-8, well inside the 1e-6 tolerance,
-  while a wrong accumulation weight (30% gradient error here) still moves parameters by ~1e-3.
+  but differing by f32 rounding (~5e-9 on small components) move a parameter by up to lr * 5e-9 / eps. With
+  eps = 1e-8 that is a sign flip (2 * lr; 2.7e-4 measured); with eps = 1e-3 the measured difference is
+  2.4e-7, an ulp or two of the O(1) parameters, inside the 1e-6 tolerance, while weighting micro-batches
+  equally instead of by token count (a 30% gradient error here) moves parameters by 1.4e-2.
 - MoE load-balance weight 0: that loss is a product of two batch means, the one term that accumulation
   averages rather than reproduces exactly (see rl/train_step.py); the router z-loss stays on.
 """
@@ -233,3 +234,14 @@ def test_sft_step_lowers_masked_cross_entropy(setup):
     assert ces[-1] < ces[0] - 0.5, ces
     assert int(state.step) == 5
     assert isinstance(state.params, nnx.State)
+
+
+def test_config_variants():
+    tiny, small = grpo_config.get_config("tiny"), grpo_config.get_config("small")
+    assert small.model.vocab_size == 8192 and small.rl.optim.lr == 1e-5
+    for cfg in (tiny, small):
+        grpo.validate_loss_config(cfg.rl.loss)
+        ts.make_optimizer(cfg.rl.optim)
+        assert cfg.batch_size == cfg.rl.prompts_per_step * cfg.rl.group_size
+    with pytest.raises(ValueError, match="configs/grpo.py: unknown argument 'huge'"):
+        grpo_config.get_config("huge")
