@@ -1,0 +1,599 @@
+"""python benchmarks/decode.py
+
+Decoding-engine figures (`inference.Engine`) on the default device, each a ratio of two runs made in this
+process (absolute times drift on a shared CPU). One JSON line per section, then one `decode_summary` line
+with every headline figure, its target and whether it was met:
+
+- cache: engine tok/s vs a no-cache decode (a plain jitted `model(tokens_BT)` over the whole sequence every
+  step, lengths bucketed to multiples of --bucket, compiles excluded), batch 16, T=1.
+- continuous: wall-clock of 64 requests with heavy-tailed max_new_tokens (truncated Pareto, 8..256) under
+  scheduler="static" / "continuous", max_batch 16; also whether both produced the same tokens.
+- prefill: prefill tokens of one prompt sampled n=8 vs the prompt repeated as 8 prompts (one call, 8
+  sequential calls, and one call with the prefix cache off).
+- speculative: a target and a drafter (<= 1/8 of its FLOPs per token) trained briefly on a sparse order-1
+  Markov chain, then decoded from prompts of that chain at T=1 and greedy: acceptance, tokens per target
+  forward vs (1 - a^(k+1)) / (1 - a), wall-clock speedup over plain decoding, greedy outputs identical,
+  chi-square of the first two tokens (T=1, plain and speculative) against the target's exact distribution;
+  then NgramDrafter(3) on repetitive prompts (greedy walks of the chain).
+- peer: our tok/s vs transformers `generate` (/work/shared/peers/hf_generate_bench.py, a subprocess) on the
+  same shapes: 16 x 32-token prompts, 64 new tokens, T=1, dense and MoE.
+- recompiles: stats()["compiles_after_warmup"] of every engine above (all must be 0).
+
+    python benchmarks/decode.py --sections=cache,continuous --quick
+    python benchmarks/decode.py --sections=speculative --train_steps=150
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from train_step import make_train_step
+
+import model
+from configs import base
+from inference.drafters import ModelDrafter, NgramDrafter
+from inference.engine import Engine, EngineConfig
+from inference.sampling import SamplingParams
+from model import plan
+
+SECTIONS = ("cache", "continuous", "prefill", "speculative", "peer")
+PEER_SCRIPT = "/work/shared/peers/hf_generate_bench.py"
+# Peer dims (the peers' README figures use them): 4 layers, d_model 256, 4/2 heads of 64, vocab 8192.
+PEER_DIMS = dict(layers=4, d_model=256, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=8192)
+PEER_MOE = dict(experts=8, top_k=2, expert_ffn=256)
+# Speculative pair: the target's forward dominates, the drafter costs < 1/8 of it per token.
+TARGET_DIMS = dict(layers=8, d_model=512, heads=8, kv_heads=4, head_dim=64, ffn=1024, vocab=1024)
+DRAFT_DIMS = dict(layers=2, d_model=128, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=1024)
+BRANCH_PROBS = (0.6, 0.25, 0.1, 0.05)  # successor probabilities of every state of the Markov chain
+TARGETS = dict(
+    cache_speedup=10.0, continuous_vs_static=1.5, spec_speedup=2.0, draft_flops_ratio=1 / 8, chi2_p=1e-3
+)
+
+
+def model_config(
+    layers, d_model, heads, kv_heads, head_dim, ffn, vocab, experts=0, top_k=2, expert_ffn=256
+) -> ml_collections.ConfigDict:
+    """A Qwen3-like config (qk-norm, rope theta 1e6, untied) with unrolled layers (faster on CPU)."""
+    cfg = base.get_config()
+    m = cfg.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim = (
+        layers,
+        d_model,
+        heads,
+        kv_heads,
+        head_dim,
+    )
+    m.d_ff, m.vocab_size, m.qk_norm, m.scan_layers = ffn, vocab, True, False
+    m.rope.theta = 1_000_000.0
+    m.moe.num_experts, m.moe.top_k, m.moe.d_ff = experts, top_k, expert_ffn
+    return cfg
+
+
+def emit(line: dict) -> dict:
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def random_prompts(rng: np.random.Generator, num: int, length: int, vocab: int) -> list[list[int]]:
+    return rng.integers(3, vocab, (num, length)).tolist()
+
+
+class Engines:
+    """Builds, warms and remembers every engine, for the recompile count."""
+
+    def __init__(self):
+        self.all: dict[str, Engine] = {}
+
+    def make(self, name: str, cfg, params, draft=None, **engine_kwargs) -> Engine:
+        eng = Engine(cfg, params, EngineConfig(**engine_kwargs), draft=draft)
+        t0 = time.perf_counter()
+        eng.warmup()
+        print(f"# engine {name}: warmup {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        self.all[name] = eng
+        return eng
+
+    def recompiles(self) -> dict:
+        per = {name: eng.stats()["compiles_after_warmup"] for name, eng in self.all.items()}
+        return {"bench": "decode_recompiles", "compiles_after_warmup": per, "total": sum(per.values())}
+
+
+def run(eng: Engine, prompts, sampling) -> tuple[list, float, dict]:
+    """generate() wall time and the change in the engine's counters."""
+    before = eng.stats()
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, sampling)
+    seconds = time.perf_counter() - t0
+    after = eng.stats()
+    delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int)}
+    return out, seconds, delta
+
+
+def best_run(eng: Engine, prompts, sampling, repeats: int) -> tuple[list, float, dict]:
+    """The fastest of `repeats` identical calls (same seeds, so the same outputs)."""
+    runs = [run(eng, prompts, sampling) for _ in range(repeats)]
+    return min(runs, key=lambda r: r[1])
+
+
+# --- cache: engine vs no-cache decode -------------------------------------------------------------------
+
+
+def nocache_decode(cfg, params, prompts: list[list[int]], new: int, bucket: int, seed: int) -> dict:
+    """Decodes `new` tokens by recomputing the whole sequence each step: one jitted forward per length
+    bucket (compiled before the clock starts), sampling at T=1 from the last real position."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: model.Transformer(cfg, rngs=nnx.Rngs(0))))
+
+    @jax.jit
+    def step(params, tokens_BT, last, key):
+        logits_BTV, _ = nnx.merge(graphdef, params)(tokens_BT)
+        logits_BV = jax.lax.dynamic_index_in_dim(logits_BTV, last, axis=1, keepdims=False)
+        return jax.random.categorical(key, logits_BV).astype(jnp.int32)
+
+    b, p = len(prompts), len(prompts[0])
+    tokens = np.zeros((b, p + new + bucket), np.int32)
+    tokens[:, :p] = prompts
+    size = lambda length: -(-length // bucket) * bucket
+    buckets = sorted({size(length) for length in range(p, p + new)})
+    for t in buckets:
+        step(params, tokens[:, :t], t - 1, jax.random.key(0)).block_until_ready()
+    key = jax.random.key(seed)
+    t0 = time.perf_counter()
+    for length in range(p, p + new):
+        nxt = step(params, tokens[:, : size(length)], length - 1, jax.random.fold_in(key, length))
+        tokens[:, length] = np.asarray(nxt)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tok_s": b * new / seconds, "buckets": buckets}
+
+
+def section_cache(a, eng: Engine, cfg, params) -> dict:
+    rng = np.random.default_rng(1)
+    prompts = random_prompts(rng, 16, a.cache_prompt, cfg.model.vocab_size)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=a.cache_new, seed=1)
+    _, seconds, delta = best_run(eng, prompts, sp, a.repeats)
+    engine_tok_s = delta["generated_tokens"] / seconds
+    base_run = nocache_decode(cfg, params, prompts, a.cache_new, a.bucket, seed=1)
+    ratio = engine_tok_s / base_run["tok_s"]
+    return emit(
+        {
+            "bench": "decode_cache",
+            "batch": 16,
+            "prompt_len": a.cache_prompt,
+            "new_tokens": a.cache_new,
+            "engine_tok_s": round(engine_tok_s, 1),
+            "engine_s": round(seconds, 3),
+            "nocache_tok_s": round(base_run["tok_s"], 1),
+            "nocache_s": round(base_run["seconds"], 3),
+            "nocache_buckets": base_run["buckets"],
+            "cache_speedup": round(ratio, 2),
+            "target": TARGETS["cache_speedup"],
+            "met": ratio >= TARGETS["cache_speedup"],
+        }
+    )
+
+
+# --- continuous vs static batching -----------------------------------------------------------------------
+
+
+def section_continuous(a, engines: Engines, cont: Engine, cfg, params, engine_kwargs) -> dict:
+    rng = np.random.default_rng(2)
+    n = a.requests
+    lengths = rng.integers(16, 49, n)
+    prompts = [rng.integers(3, cfg.model.vocab_size, int(length)).tolist() for length in lengths]
+    # Truncated Pareto(alpha=1) from 8: P(L > x) = 8 / x, clipped at 256 (about 1 request in 32 there).
+    new = np.clip((8 / (1 - rng.random(n))).astype(int), 8, a.max_new).tolist()
+    sps = [SamplingParams(temperature=1.0, max_new_tokens=int(m), seed=2) for m in new]
+    static = engines.make("static", cfg, params, **dict(engine_kwargs, scheduler="static"))
+    out_c, sec_c, d_c = best_run(cont, prompts, sps, a.repeats)
+    out_s, sec_s, d_s = best_run(static, prompts, sps, a.repeats)
+    same = sum(x.tokens == y.tokens for x, y in zip(out_c, out_s))
+    ratio = sec_s / sec_c
+    return emit(
+        {
+            "bench": "decode_continuous_vs_static",
+            "requests": n,
+            "max_batch": engine_kwargs["max_batch"],
+            "max_new_tokens": {
+                "min": min(new),
+                "median": int(np.median(new)),
+                "mean": round(float(np.mean(new)), 1),
+                "max": max(new),
+            },
+            "generated_tokens": d_c["generated_tokens"],
+            "static_s": round(sec_s, 3),
+            "continuous_s": round(sec_c, 3),
+            "decode_steps": {"static": d_s["decode_steps"], "continuous": d_c["decode_steps"]},
+            "identical_completions": f"{same}/{n}",
+            "continuous_vs_static": round(ratio, 2),
+            "target": TARGETS["continuous_vs_static"],
+            "met": ratio >= TARGETS["continuous_vs_static"],
+        }
+    )
+
+
+# --- prefill sharing -------------------------------------------------------------------------------------
+
+
+def section_prefill(a, engines: Engines, eng: Engine, cfg, params, engine_kwargs) -> dict:
+    """Each measurement uses a fresh random prompt, so nothing earlier sits in the prefix cache."""
+    rng = np.random.default_rng(3)
+    length, vocab = a.prefill_prompt, cfg.model.vocab_size
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+    prefill = lambda e, prompts, s: run(e, prompts, s)[2]["prefill_tokens"]
+    n8 = prefill(eng, random_prompts(rng, 1, length, vocab), dataclasses.replace(sp, n=8))
+    same_call = prefill(eng, random_prompts(rng, 1, length, vocab) * 8, sp)
+    prompt = random_prompts(rng, 1, length, vocab)
+    sequential = sum(prefill(eng, prompt, sp) for _ in range(8))
+    off = engines.make("no_prefix_cache", cfg, params, **dict(engine_kwargs, prefix_cache_pages=0))
+    no_cache = prefill(off, random_prompts(rng, 1, length, vocab) * 8, sp)
+    n8_off = prefill(off, random_prompts(rng, 1, length, vocab), dataclasses.replace(sp, n=8))
+    bound = no_cache / 8 + engine_kwargs["min_bucket"]
+    return emit(
+        {
+            "bench": "decode_prefill_sharing",
+            "prompt_len": length,
+            "prefill_tokens": {
+                "n8": n8,
+                "n8_prefix_cache_off": n8_off,
+                "8_prompts_one_call": same_call,
+                "8_prompts_sequential_calls": sequential,
+                "8_prompts_prefix_cache_off": no_cache,
+            },
+            "sharing_ratio": round(no_cache / n8, 2),
+            "target": f"n8 <= {bound:.1f} (8-prompt figure without sharing / 8 + one bucket)",
+            "met": n8 <= bound,
+        }
+    )
+
+
+# --- speculative decoding --------------------------------------------------------------------------------
+
+
+class MarkovChain:
+    """A sparse order-1 Markov chain over `alphabet` random token ids: every state has len(BRANCH_PROBS)
+    random successors with those probabilities."""
+
+    def __init__(self, vocab: int, alphabet: int, seed: int):
+        rng = np.random.default_rng(seed)
+        self.ids = rng.choice(np.arange(3, vocab), alphabet, replace=False)
+        self.succ = np.stack(
+            [rng.choice(alphabet, len(BRANCH_PROBS), replace=False) for _ in range(alphabet)]
+        )
+        self.cum = np.cumsum(BRANCH_PROBS)
+        self.entropy = float(-np.sum(np.asarray(BRANCH_PROBS) * np.log(BRANCH_PROBS)))  # nats per token
+
+    def sample(self, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+        state = rng.integers(0, len(self.ids), batch)
+        out = np.empty((batch, length), np.int32)
+        for t in range(length):
+            out[:, t] = self.ids[state]
+            branch = np.minimum((rng.random(batch)[:, None] > self.cum[None]).sum(1), len(self.cum) - 1)
+            state = self.succ[state, branch]
+        return out
+
+    def greedy_walk(self, start: int, length: int) -> list[int]:
+        state, out = start, []
+        for _ in range(length):
+            out.append(int(self.ids[state]))
+            state = self.succ[state, 0]
+        return out
+
+
+def train(cfg, chain: MarkovChain, steps: int, batch: int, seq_len: int, lr: float, seed: int):
+    """AdamW on next-token loss over chain samples; returns (graphdef, params, mean loss of the last 10%)."""
+    graphdef, params, rest = nnx.split(model.build(cfg, seed=seed), nnx.Param, ...)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr / 10)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+    state = (params, optimizer.init(params), rest)
+    step = make_train_step(graphdef, optimizer)
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        state, loss = step(state, jnp.asarray(chain.sample(rng, batch, seq_len)))
+        losses.append(loss)
+    tail = jax.device_get(losses[-max(steps // 10, 1) :])
+    return graphdef, state[0], float(np.mean(tail))
+
+
+def chi_square(samples: list[tuple[int, int]], exact: dict[tuple[int, int], float]) -> dict:
+    """Pearson chi-square of observed (token0, token1) pairs against exact probabilities; cells with an
+    expected count under 5 are pooled into one."""
+    n = len(samples)
+    counts: dict = {}
+    for pair in samples:
+        counts[pair] = counts.get(pair, 0) + 1
+    big = {c for c, p in exact.items() if p * n >= 5}
+    obs = [counts.get(c, 0) for c in sorted(big)]
+    exp = [exact[c] * n for c in sorted(big)]
+    rest_obs, rest_exp = n - sum(obs), n - sum(exp)
+    if rest_exp >= 1:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    obs_a, exp_a = np.asarray(obs, float), np.asarray(exp, float)
+    stat = float(np.sum((obs_a - exp_a) ** 2 / exp_a))
+    dof = len(obs) - 1
+    p_value = float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
+    return {"chi2": round(stat, 2), "dof": dof, "p_value": round(p_value, 4)}
+
+
+def exact_pairs(graphdef, params, prompt: list[int], first_tokens) -> dict[tuple[int, int], float]:
+    """p(t0, t1 | prompt) from plain forwards of the target, for t0 in `first_tokens` and every t1."""
+    forward = jax.jit(lambda p, tokens_BT: jax.nn.softmax(nnx.merge(graphdef, p)(tokens_BT)[0][:, -1], -1))
+    p0 = np.asarray(forward(params, jnp.asarray([prompt])))[0]
+    firsts = sorted(first_tokens)
+    p1 = np.asarray(forward(params, jnp.asarray([prompt + [t] for t in firsts])))
+    return {
+        (t0, int(t1)): float(p0[t0] * p1[i, t1])
+        for i, t0 in enumerate(firsts)
+        for t1 in np.flatnonzero(p1[i] > 1e-6)
+    }
+
+
+def section_speculative(a, engines: Engines) -> list[dict]:
+    tcfg, dcfg = model_config(**TARGET_DIMS), model_config(**DRAFT_DIMS)
+    seq = a.spec_prompt + a.spec_new
+    t_flops = plan.flops_per_token(tcfg, seq, training=False)
+    d_flops = plan.flops_per_token(dcfg, seq, training=False)
+    chain = MarkovChain(TARGET_DIMS["vocab"], a.alphabet, seed=4)
+    t0 = time.perf_counter()
+    graphdef, tparams, tloss = train(tcfg, chain, a.train_steps, 8, 32, 1e-3, seed=0)
+    t_train = time.perf_counter() - t0
+    _, dparams, dloss = train(dcfg, chain, a.train_steps, 8, 32, 3e-3, seed=1)
+    d_train = time.perf_counter() - t0 - t_train
+    print(f"# trained target {t_train:.0f} s, drafter {d_train:.0f} s", file=sys.stderr, flush=True)
+
+    kwargs = dict(max_batch=16, max_seq_len=seq + 8, prefill_chunk=32, prefill_batch=16, min_bucket=32)
+    plain = engines.make("spec_plain", tcfg, tparams, **kwargs)
+    spec = engines.make("spec_model", tcfg, tparams, draft=ModelDrafter(dcfg, dparams), **kwargs)
+    prompts = chain.sample(np.random.default_rng(5), 16, a.spec_prompt).tolist()
+    lines = []
+    line = {
+        "bench": "decode_speculative",
+        "target_params_m": round(plan.count_params(tcfg)["active"] / 1e6, 2),
+        "draft_params_m": round(plan.count_params(dcfg)["active"] / 1e6, 2),
+        "draft_flops_ratio": round(d_flops / t_flops, 4),
+        "flops_ratio_met": d_flops / t_flops <= TARGETS["draft_flops_ratio"],
+        "train": {
+            "steps": a.train_steps,
+            "target_loss": round(tloss, 3),
+            "draft_loss": round(dloss, 3),
+            "chain_entropy": round(chain.entropy, 3),
+            "target_s": round(t_train, 1),
+            "draft_s": round(d_train, 1),
+        },
+        "batch": 16,
+        "prompt_len": a.spec_prompt,
+        "new_tokens": a.spec_new,
+        "num_draft": 4,
+    }
+    outputs = {}
+    for name, temperature in (("t1", 1.0), ("greedy", 0.0)):
+        sp = SamplingParams(temperature=temperature, max_new_tokens=a.spec_new, seed=5)
+        out_p, sec_p, _ = best_run(plain, prompts, sp, a.repeats)
+        out_s, sec_s, d = best_run(spec, prompts, sp, a.repeats)
+        outputs[name] = (out_p, out_s)
+        acc = d["accepted_tokens"] / max(d["proposed_tokens"], 1)
+        line[name] = {
+            "acceptance_rate": round(acc, 4),
+            "tokens_per_target_forward": round(d["generated_tokens"] / d["target_row_forwards"], 3),
+            "theory": round((1 - acc**5) / (1 - acc) if acc < 1 else 5.0, 3),
+            "plain_s": round(sec_p, 3),
+            "spec_s": round(sec_s, 3),
+            "plain_tok_s": round(d["generated_tokens"] / sec_p, 1),
+            "spec_tok_s": round(d["generated_tokens"] / sec_s, 1),
+            "speedup": round(sec_p / sec_s, 2),
+        }
+    out_p, out_s = outputs["greedy"]
+    same = sum(x.tokens == y.tokens for x, y in zip(out_p, out_s))
+    line["greedy_identical"] = f"{same}/{len(out_p)}"
+    # Exactness at T=1: first two tokens of many samples of one prompt vs the target's exact distribution.
+    sp = SamplingParams(temperature=1.0, max_new_tokens=2, n=a.chi2_samples, seed=6)
+    prompt = prompts[0]
+    pairs = {}
+    for name, eng in (("plain", plain), ("speculative", spec)):
+        pairs[name] = [tuple(c.tokens) for c in eng.generate([prompt], sp)]
+    exact = exact_pairs(graphdef, tparams, prompt, {p[0] for v in pairs.values() for p in v})
+    line["chi2_first_two_tokens"] = {
+        "samples": a.chi2_samples,
+        **{name: chi_square(v, exact) for name, v in pairs.items()},
+    }
+    speedup = line["t1"]["speedup"]
+    line["target"] = TARGETS["spec_speedup"]
+    line["met"] = speedup >= TARGETS["spec_speedup"] and same == len(out_p)
+    lines.append(emit(line))
+
+    # Prompt lookup: greedy walks of the chain (they cycle), no draft model.
+    ngram = engines.make("spec_ngram3", tcfg, tparams, draft=NgramDrafter(3), **kwargs)
+    walks = [chain.greedy_walk(s, a.spec_prompt) for s in range(16)]
+    line = {
+        "bench": "decode_speculative_ngram",
+        "drafter": "NgramDrafter(3)",
+        "prompts": "greedy chain walks",
+    }
+    for name, temperature in (("t1", 1.0), ("greedy", 0.0)):
+        sp = SamplingParams(temperature=temperature, max_new_tokens=a.spec_new, seed=7)
+        out_p, sec_p, _ = best_run(plain, walks, sp, a.repeats)
+        out_n, sec_n, d = best_run(ngram, walks, sp, a.repeats)
+        acc = d["accepted_tokens"] / max(d["proposed_tokens"], 1)
+        line[name] = {
+            "acceptance_rate": round(acc, 4),
+            "proposed_per_step": round(d["proposed_tokens"] / d["target_row_forwards"], 3),
+            "tokens_per_target_forward": round(d["generated_tokens"] / d["target_row_forwards"], 3),
+            "plain_s": round(sec_p, 3),
+            "spec_s": round(sec_n, 3),
+            "speedup": round(sec_p / sec_n, 2),
+        }
+        if temperature == 0.0:
+            same = sum(x.tokens == y.tokens for x, y in zip(out_p, out_n))
+            line["greedy_identical"] = f"{same}/{len(out_p)}"
+    lines.append(emit(line))
+    return lines
+
+
+# --- peer: transformers generate on the same shapes -----------------------------------------------------
+
+
+def section_peer(a, engines: Engines, dense_eng: Engine) -> list[dict]:
+    lines = []
+    for arch in a.peer_archs.split(","):
+        moe = arch == "qwen3moe"
+        if moe:
+            cfg = model_config(**PEER_DIMS, **PEER_MOE)
+            params = nnx.state(model.build(cfg, seed=0), nnx.Param)
+            eng = engines.make("peer_moe", cfg, params, **peer_engine_kwargs())
+        else:
+            eng = dense_eng
+        rng = np.random.default_rng(8)
+        times = []
+        for r in range(a.peer_repeats):
+            prompts = random_prompts(rng, 16, 32, PEER_DIMS["vocab"])  # fresh prompts: no prefix-cache hits
+            _, seconds, delta = run(eng, prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=r))
+            times.append(seconds)
+        ours = 16 * 64 / float(np.median(times))
+        d = PEER_DIMS
+        cmd = [
+            sys.executable,
+            PEER_SCRIPT,
+            "--arch",
+            arch,
+            "--layers",
+            str(d["layers"]),
+            "--d-model",
+            str(d["d_model"]),
+            "--heads",
+            str(d["heads"]),
+            "--kv-heads",
+            str(d["kv_heads"]),
+            "--head-dim",
+            str(d["head_dim"]),
+            "--vocab",
+            str(d["vocab"]),
+            "--batches",
+            "16",
+            "--prompt-len",
+            "32",
+            "--new-tokens",
+            "64",
+            "--temperature",
+            "1.0",
+            "--repeats",
+            str(a.peer_repeats),
+        ]
+        if moe:
+            cmd += [
+                "--ffn",
+                str(PEER_MOE["expert_ffn"]),
+                "--experts",
+                str(PEER_MOE["experts"]),
+                "--top-k",
+                str(PEER_MOE["top_k"]),
+            ]
+        else:
+            cmd += ["--ffn", str(d["ffn"])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        line = {
+            "bench": "decode_peer",
+            "arch": arch,
+            "shapes": "16 x 32-token prompts, 64 new tokens, T=1",
+            "ours_tok_s": round(ours, 1),
+            "ours_call_s": [round(t, 3) for t in times],
+        }
+        if proc.returncode:
+            line["peer_error"] = proc.stderr.strip().splitlines()[-1:]
+        else:
+            hf = json.loads(proc.stdout.strip().splitlines()[-1])
+            run16 = hf["runs"]["b16"]
+            line.update(
+                transformers_tok_s=run16["tok_per_s"],
+                transformers_call_s=run16["call_s_all"],
+                transformers_versions=hf["versions"],
+                ours_vs_transformers=round(ours / run16["tok_per_s"], 2),
+            )
+        lines.append(emit(line))
+    return lines
+
+
+def peer_engine_kwargs() -> dict:
+    return dict(max_batch=16, max_seq_len=320, page_size=16, prefill_chunk=64, prefill_batch=4, min_bucket=16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run, not the figures)")
+    p.add_argument("--repeats", type=int, default=2, help="timed engine calls per measurement (fastest kept)")
+    p.add_argument("--cache_prompt", type=int, default=32)
+    p.add_argument("--cache_new", type=int, default=128)
+    p.add_argument("--bucket", type=int, default=32, help="no-cache baseline: lengths round up to this")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max_new", type=int, default=256, help="continuous: longest max_new_tokens")
+    p.add_argument("--prefill_prompt", type=int, default=100)
+    p.add_argument("--train_steps", type=int, default=200, help="AdamW steps for target and drafter each")
+    p.add_argument("--alphabet", type=int, default=48, help="states of the Markov chain")
+    p.add_argument("--spec_prompt", type=int, default=32)
+    p.add_argument("--spec_new", type=int, default=96)
+    p.add_argument("--chi2_samples", type=int, default=512)
+    p.add_argument("--peer_archs", default="qwen3,qwen3moe")
+    p.add_argument("--peer_repeats", type=int, default=3)
+    a = p.parse_args()
+    chosen = [s for s in a.sections.split(",") if s]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown --sections {unknown}; choose from {SECTIONS}")
+    if "peer" in chosen and not os.path.exists(PEER_SCRIPT):
+        print(f"# {PEER_SCRIPT} not found: skipping peer", file=sys.stderr)
+        chosen.remove("peer")
+    if a.quick:
+        a.cache_new, a.requests, a.max_new, a.train_steps = 32, 16, 64, 30
+        a.spec_new, a.chi2_samples, a.peer_repeats, a.repeats = 32, 64, 1, 1
+
+    t_start = time.perf_counter()
+    engines, summary = Engines(), {"bench": "decode_summary"}
+    kwargs = peer_engine_kwargs()
+    cfg = model_config(**PEER_DIMS)
+    params = nnx.state(model.build(cfg, seed=0), nnx.Param)
+    dense = engines.make("dense", cfg, params, **kwargs) if set(chosen) - {"speculative"} else None
+    if "cache" in chosen:
+        summary["cache_speedup"] = section_cache(a, dense, cfg, params)["cache_speedup"]
+    if "continuous" in chosen:
+        summary["continuous_vs_static"] = section_continuous(a, engines, dense, cfg, params, kwargs)[
+            "continuous_vs_static"
+        ]
+    if "prefill" in chosen:
+        line = section_prefill(a, engines, dense, cfg, params, kwargs)
+        summary["prefill_tokens"] = line["prefill_tokens"]
+        summary["prefill_met"] = line["met"]
+    if "speculative" in chosen:
+        spec, ngram = section_speculative(a, engines)
+        summary["speculative"] = {
+            "acceptance_t1": spec["t1"]["acceptance_rate"],
+            "tokens_per_target_forward_t1": spec["t1"]["tokens_per_target_forward"],
+            "theory_t1": spec["t1"]["theory"],
+            "speedup_t1": spec["t1"]["speedup"],
+            "speedup_greedy": spec["greedy"]["speedup"],
+            "greedy_identical": spec["greedy_identical"],
+            "chi2_p_speculative": spec["chi2_first_two_tokens"]["speculative"]["p_value"],
+            "draft_flops_ratio": spec["draft_flops_ratio"],
+            "ngram3_speedup_greedy": ngram["greedy"]["speedup"],
+        }
+    if "peer" in chosen:
+        summary["peer_ours_vs_transformers"] = {
+            line["arch"]: line.get("ours_vs_transformers") for line in section_peer(a, engines, dense)
+        }
+    summary["recompiles_after_warmup"] = emit(engines.recompiles())["total"]
+    summary["wall_s"] = round(time.perf_counter() - t_start, 1)
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()
