@@ -43,8 +43,8 @@ from train_step import make_train_step
 
 import model
 from configs import base
-from inference.drafters import ModelDrafter, NgramDrafter
 from inference import sampling
+from inference.drafters import ModelDrafter, NgramDrafter
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
 from model import plan
@@ -290,9 +290,17 @@ class MarkovChain:
     def __init__(self, vocab: int, alphabet: int, seed: int):
         rng = np.random.default_rng(seed)
         self.ids = rng.choice(np.arange(3, vocab), alphabet, replace=False)
-        self.succ = np.stack(
-            [rng.choice(alphabet, len(BRANCH_PROBS), replace=False) for _ in range(alphabet)]
-        )
+        # The most likely successors form cycles of 8 states: greedy walks repeat with period 8 >= k.
+        perm = rng.permutation(alphabet)
+        top = np.empty(alphabet, int)
+        for c in range(0, alphabet, 8):
+            cycle = perm[c : c + 8]
+            top[cycle] = np.roll(cycle, -1)
+        others = [
+            rng.choice(np.delete(np.arange(alphabet), top[s]), len(BRANCH_PROBS) - 1, replace=False)
+            for s in range(alphabet)
+        ]
+        self.succ = np.concatenate([top[:, None], np.stack(others)], axis=1)
         self.cum = np.cumsum(BRANCH_PROBS)
         self.entropy = float(-np.sum(np.asarray(BRANCH_PROBS) * np.log(BRANCH_PROBS)))  # nats per token
 
@@ -327,6 +335,23 @@ def train(cfg, chain: MarkovChain, steps: int, batch: int, seq_len: int, lr: flo
         losses.append(loss)
     tail = jax.device_get(losses[-max(steps // 10, 1) :])
     return graphdef, state[0], float(np.mean(tail))
+
+
+def mean_overlap(tcfg, tparams, dcfg, dparams, completions, prompts, greedy: bool) -> float:
+    """alpha = E[sum_x min(p(x), q(x))] (greedy: E[argmax p == argmax q]) over the contexts of `completions`:
+    the per-token acceptance probability of the theory (1 - alpha^(k+1)) / (1 - alpha)."""
+    tokens = np.asarray([pr + c.tokens for pr, c in zip(prompts, completions)], np.int32)
+    p0 = len(prompts[0])
+
+    def probs(cfg, params):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: model.Transformer(cfg, rngs=nnx.Rngs(0))))
+        logits_BTV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)[0])(params, tokens)
+        return jax.nn.softmax(logits_BTV[:, p0 - 1 : -1], axis=-1)
+
+    p_BTV, q_BTV = probs(tcfg, tparams), probs(dcfg, dparams)
+    if greedy:
+        return float(jnp.mean(jnp.argmax(p_BTV, -1) == jnp.argmax(q_BTV, -1)))
+    return float(jnp.mean(jnp.sum(jnp.minimum(p_BTV, q_BTV), axis=-1)))
 
 
 def chi_square(samples: list[tuple[int, int]], exact: dict[tuple[int, int], float]) -> dict:
@@ -407,10 +432,12 @@ def section_speculative(a, engines: Engines) -> list[dict]:
         out_s, sec_s, d = best_run(spec, prompts, sp, a.repeats)
         outputs[name] = (out_p, out_s)
         acc = d["accepted_tokens"] / max(d["proposed_tokens"], 1)
+        alpha = mean_overlap(tcfg, tparams, dcfg, dparams, out_p, prompts, temperature == 0.0)
         line[name] = {
             "acceptance_rate": round(acc, 4),
+            "alpha": round(alpha, 4),
             "tokens_per_target_forward": round(d["generated_tokens"] / d["target_row_forwards"], 3),
-            "theory": round((1 - acc**5) / (1 - acc) if acc < 1 else 5.0, 3),
+            "theory": round((1 - alpha**5) / (1 - alpha) if alpha < 1 else 5.0, 3),
             "plain_s": round(sec_p, 3),
             "spec_s": round(sec_s, 3),
             "plain_tok_s": round(d["generated_tokens"] / sec_p, 1),
@@ -604,6 +631,7 @@ def main() -> None:
         spec, ngram = section_speculative(a, engines)
         summary["speculative"] = {
             "acceptance_t1": spec["t1"]["acceptance_rate"],
+            "alpha_t1": spec["t1"]["alpha"],
             "tokens_per_target_forward_t1": spec["t1"]["tokens_per_target_forward"],
             "theory_t1": spec["t1"]["theory"],
             "speedup_t1": spec["t1"]["speedup"],
