@@ -38,6 +38,7 @@ from inference.drafters import ModelDrafter, NgramDrafter, _check_params
 from inference.sampling import SamplingArrays, SamplingParams
 
 SCHEDULERS = ("continuous", "static")
+_NO_RELOAD = kv_pages.HostReload([], None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class EngineConfig:
     max_seq_len: int = 1024  # prompt + completion tokens of one sequence
     page_size: int = 16
     num_pages: int = 0  # 0: room for max_batch full sequences plus the prefix cache
-    prefix_cache_pages: int = -1  # device pages the prefix cache may keep; -1: max_batch * pages per seq / 2
+    prefix_cache_pages: int = -1  # device pages the prefix cache keeps (0: off); -1: max_batch * M / 2
     host_cache_pages: int = 0  # host-tier pages for cold prefix blocks (0: off)
     prefill_chunk: int = 256  # longest prefill call; longer contexts are prefilled in chunks
     prefill_batch: int = 4  # rows per prefill call (bucketed to powers of two)
@@ -178,7 +179,9 @@ class Engine:
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         _check_params("params", params, abstract_params)
-        self.params, self.version = params, 0
+        # Committed placements, so that weights from update_params (placed alike) hit the same executables.
+        self.params = _committed(params)
+        self.version = 0
         self.vocab = cfg.model.vocab_size
         if draft is not None and not isinstance(draft, (ModelDrafter, NgramDrafter)):
             raise TypeError(f"draft={draft!r} must be an inference.ModelDrafter, NgramDrafter or None.")
@@ -196,14 +199,15 @@ class Engine:
         self.table = kv_pages.SequenceTable(self.pool, e.pages_per_seq)
         self.prefix = kv_pages.PrefixCache(self.pool, e.page_size, e.prefix_pages, e.host_cache_pages)
         dtype = e.cache_dtype or cfg.model.compute_dtype
-        self.kv = self._abstract_model().init_paged_cache(e.pool_pages, e.page_size, dtype)
+        self.kv = _committed(self._abstract_model().init_paged_cache(e.pool_pages, e.page_size, dtype))
         self.draft_kv = None
         if isinstance(draft, ModelDrafter):
             draft_model = nnx.merge(draft.graphdef, draft.params)
-            self.draft_kv = draft_model.init_paged_cache(e.pool_pages, e.page_size, dtype)
+            self.draft_kv = _committed(draft_model.init_paged_cache(e.pool_pages, e.page_size, dtype))
         self._build_steps()
         self._slots: list[_Seq | None] = [None] * e.max_batch
         self._queue: collections.deque[_Seq] = collections.deque()
+        self._holders: dict[int, int] = {}  # request id -> sequence holding its context for queued samples
         self._next_seq = self._next_request = self._admissions = 0
         self._stats = collections.Counter()
         self._compiles = [0]
@@ -237,10 +241,11 @@ class Engine:
             raise ValueError(
                 f"{len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each."
             )
+        prompts = [[int(t) for t in prompt] for prompt in prompts]
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self._check_prompt(i, prompt, p)  # all of them before queueing any
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            prompt = [int(t) for t in prompt]
-            self._check_prompt(i, prompt, p)
             rid = self._next_request
             self._next_request += 1
             ids.append(rid)
@@ -396,8 +401,14 @@ class Engine:
             need = -(-len(context) // e.page_size) + len(group)
             if self.pool.num_free + self.prefix.reclaimable() < need and (jobs or self._num_active()):
                 break
+            donor = None if leader.tokens else self._holders.get(leader.request_id)
             try:
-                start = self._start(leader, context)
+                if donor is not None:  # a later sample of an admitted request: share its context pages
+                    self.table.fork(donor, leader.id)
+                    self.table.truncate(leader.id, len(context))
+                    start = len(context)
+                else:
+                    start = self._start(leader, context)
             except kv_pages.OutOfPages:
                 if jobs or self._num_active():
                     break
@@ -413,6 +424,14 @@ class Engine:
                 self._admissions += 1
                 self._slots[free.pop(0)] = seq
             jobs.append((leader, start, context))
+            queued = any(q.request_id == leader.request_id and not q.tokens for q in self._queue)
+            if queued and leader.request_id not in self._holders:
+                # Samples still waiting for a slot: keep the context pages until the last one is admitted.
+                self._holders[leader.request_id] = holder = self._next_seq
+                self._next_seq += 1
+                self.table.fork(leader.id, holder)
+        for rid in [r for r in self._holders if not any(q.request_id == r for q in self._queue)]:
+            self.table.free(self._holders.pop(rid))
         if jobs:
             self._prefill(jobs)
 
@@ -422,7 +441,7 @@ class Engine:
     def _start(self, seq: _Seq, context: list[int]) -> int:
         """New sequence over the cached prefix of `context`; reserves pages for the rest. Returns the
         number of context tokens already cached."""
-        hit = self.prefix.lookup(context)
+        hit = self.prefix.lookup(context) if self.ecfg.prefix_pages else kv_pages.PrefixHit([], 0, _NO_RELOAD)
         if hit.reload.pages:
             self.kv["k"], self.kv["v"] = hit.reload.apply(self.kv["k"], self.kv["v"])
         self.table.new(seq.id, hit.pages, hit.num_tokens)
@@ -454,7 +473,7 @@ class Engine:
             for r, w in enumerate(batch):
                 w[1] += int(num_B[r])
             work = [w for w in work if w[1] < len(w[2])]
-        for seq, _, context in jobs:
+        for seq, _, context in jobs if self.ecfg.prefix_pages else ():
             self.prefix.insert(context, self.table.pages(seq.id))
         self._offload_cold()
 
@@ -474,11 +493,11 @@ class Engine:
     def _grow(self, active: list[tuple[int, _Seq]], n: int) -> list[tuple[int, _Seq]]:
         """Reserves n more slots for each active sequence (preempting the youngest when out of pages) and
         applies the copy-on-write copies. Returns the rows still active."""
-        copies, grown = [], []
+        copies, grown = {}, []
         for b, seq in sorted(active, key=lambda a: a[1].admitted):
-            while True:
+            while seq in self._slots:  # (a sequence preempted for an older one is skipped)
                 try:
-                    copies += self.table.append_tokens(seq.id, n).copies
+                    copies[seq.id] = self.table.append_tokens(seq.id, n).copies
                     grown.append((b, seq))
                     break
                 except kv_pages.OutOfPages:
@@ -487,7 +506,8 @@ class Engine:
                     grown = [(bb, s) for bb, s in grown if s is not victim]
                     if victim is seq:
                         break
-        self._apply_copies(copies)
+        # A preempted sequence's copies are dropped: its pages may already belong to someone else.
+        self._apply_copies([c for _, seq in grown for c in copies[seq.id]])
         return sorted(grown)
 
     def _preempt(self, seq: _Seq) -> None:
@@ -665,6 +685,12 @@ def _jitted(kind: str, *static):
     g, vocab, resample_from = static
     fn = functools.partial(steps.speculative_tokens, g, vocab=vocab, resample_from=resample_from)
     return jax.jit(fn, donate_argnums=1)
+
+
+def _committed(tree):
+    """Commits arrays to their current placement: jit caches executables per committed-ness, so arrays
+    that later come back from jitted steps (committed) must start out committed too."""
+    return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, tree))
 
 
 def _arrays(params: Sequence[SamplingParams]) -> SamplingArrays:
