@@ -1,0 +1,97 @@
+"""`EngineConfig` (the engine's sizes, validated) and `Completion` (what `Engine.generate` returns)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+SCHEDULERS = ("continuous", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine; every shape the jitted steps see is derived from these."""
+
+    max_batch: int = 16  # decode slots (rows of the decode step)
+    max_seq_len: int = 1024  # prompt + completion tokens of one sequence
+    page_size: int = 16
+    num_pages: int = 0  # 0: room for max_batch full sequences plus the prefix cache
+    prefix_cache_pages: int = -1  # device pages the prefix cache keeps (0: off); -1: max_batch * M / 2
+    host_cache_pages: int = 0  # host-tier pages for cold prefix blocks (0: off)
+    prefill_chunk: int = 256  # longest prefill call; longer contexts are prefilled in chunks
+    prefill_batch: int = 4  # rows per prefill call (bucketed to powers of two)
+    min_bucket: int = 16  # shortest prefill / score length bucket
+    num_draft: int = 4  # k: tokens proposed per speculative step
+    scheduler: str = "continuous"
+    cache_dtype: str = ""  # "": the model's compute dtype
+    score_batch: int = 8  # rows per scoring call
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch",
+            "max_seq_len",
+            "page_size",
+            "prefill_chunk",
+            "prefill_batch",
+            "min_bucket",
+            "num_draft",
+            "score_batch",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1.")
+        for name in ("prefill_chunk", "prefill_batch", "min_bucket", "score_batch"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"engine.{name}={value} must be a power of two (it is a bucket size).")
+        if self.min_bucket > self.prefill_chunk:
+            raise ValueError(
+                f"engine.min_bucket={self.min_bucket} must be <= prefill_chunk={self.prefill_chunk}."
+            )
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"engine.scheduler={self.scheduler!r} is unknown; choose one of {SCHEDULERS}.")
+        if self.num_pages and self.num_pages < self.pages_per_seq + 1:
+            raise ValueError(
+                f"engine.num_pages={self.num_pages} cannot hold one sequence of "
+                f"max_seq_len={self.max_seq_len} ({self.pages_per_seq} pages + the null page); "
+                "raise num_pages or use 0 (automatic)."
+            )
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict | dict) -> EngineConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(dict(c)) - fields
+        if unknown:
+            raise ValueError(f"engine config has unknown fields {sorted(unknown)}; known: {sorted(fields)}.")
+        return cls(**dict(c))
+
+    @property
+    def pages_per_seq(self) -> int:
+        """Page-table width M: max_seq_len plus the k + 1 speculative positions."""
+        return -(-(self.max_seq_len + self.num_draft + 1) // self.page_size)
+
+    @property
+    def prefix_pages(self) -> int:
+        if self.prefix_cache_pages >= 0:
+            return self.prefix_cache_pages
+        return self.max_batch * self.pages_per_seq // 2
+
+    @property
+    def pool_pages(self) -> int:
+        return self.num_pages or 1 + self.max_batch * self.pages_per_seq + self.prefix_pages
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled continuation. `logprobs[i]` is the log-prob of `tokens[i]` under the distribution it was
+    drawn from (after temperature / top-k / top-p / min-p); `raw_logprobs` under the untempered softmax.
+    A stop token ends the completion and is included; `finish_reason` is "stop" or "length"."""
+
+    prompt_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    sample_index: int = 0
+    raw_logprobs: list[float] = dataclasses.field(default_factory=list)
+    policy_versions: list[int] = dataclasses.field(default_factory=list)
+    request_id: int = 0
