@@ -123,6 +123,8 @@ class Engine:
         self._stats = collections.Counter()
         self._compiles = [0]
         self._warm_compiles: int | None = None
+        self._lock = threading.RLock()  # one scheduler step, submit or weight swap at a time
+        self._waiting: dict[int, list[Completion]] = {}  # request id -> completions, for `generate`
 
     # --- public API ------------------------------------------------------------------------------------
 
@@ -131,14 +133,28 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """n completions per prompt (`SamplingParams.n`), ordered by (prompt, sample)."""
-        ids = self.submit(prompts, sampling)
-        done: dict[int, list[Completion]] = {i: [] for i in ids}
-        while self.has_work():
-            for c in self.step():
-                if c.request_id in done:
-                    done[c.request_id].append(c)
-        return [c for i in ids for c in sorted(done[i], key=lambda c: c.sample_index)]
+        """n completions per prompt (`SamplingParams.n`), ordered by (prompt, sample). Thread-safe: other
+        threads may generate, step or update the weights meanwhile (each step is atomic)."""
+        with self._lock:
+            ids = self.submit(prompts, sampling)
+            want = {rid: p.n for rid, p in zip(ids, self._submitted_params(prompts, sampling))}
+            for rid in ids:
+                self._waiting[rid] = []
+        try:
+            while any(len(self._waiting[rid]) < n for rid, n in want.items()):
+                if not self.has_work():
+                    raise RuntimeError("engine queue emptied before the requests finished (a bug)")
+                self.step()
+            return [c for rid in ids for c in sorted(self._waiting[rid], key=lambda c: c.sample_index)]
+        finally:
+            with self._lock:
+                for rid in ids:
+                    self._waiting.pop(rid, None)
+
+    @staticmethod
+    def _submitted_params(prompts, sampling) -> list[SamplingParams]:
+        sampling = SamplingParams() if sampling is None else sampling
+        return [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
 
     def submit(
         self,
@@ -146,8 +162,7 @@ class Engine:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[int]:
         """Queues prompts; returns one request id per prompt (`Completion.request_id`)."""
-        sampling = SamplingParams() if sampling is None else sampling
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        params = self._submitted_params(prompts, sampling)
         if len(params) != len(prompts):
             raise ValueError(
                 f"{len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each."
@@ -156,6 +171,10 @@ class Engine:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             self._check_prompt(i, prompt, p)  # all of them before queueing any
         ids = []
+        with self._lock:
+            return self._queue_requests(prompts, params, ids)
+
+    def _queue_requests(self, prompts, params, ids) -> list[int]:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = self._next_request
             self._next_request += 1
@@ -169,13 +188,18 @@ class Engine:
         return bool(self._queue) or any(s is not None for s in self._slots)
 
     def step(self) -> list[Completion]:
-        """Admits what fits, runs one decode (or speculative) step; returns the finished completions."""
+        """Admits what fits, runs one decode (or speculative) step; returns the finished completions
+        (those of requests a `generate` call waits for are also handed to it)."""
         with self._counting():
             self._admit()
             active = [(b, s) for b, s in enumerate(self._slots) if s is not None]
             if not active:
                 return []
-            return self._spec_step(active) if self.draft is not None else self._decode_step(active)
+            done = self._spec_step(active) if self.draft is not None else self._decode_step(active)
+            for c in done:
+                if c.request_id in self._waiting:
+                    self._waiting[c.request_id].append(c)
+            return done
 
     def score(
         self,
@@ -217,11 +241,12 @@ class Engine:
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         _check_params("params", params, self.params)
-        shardings = jax.tree.map(lambda a: a.sharding, self.params)
-        self.params = jax.device_put(params, shardings)
-        self.prefix.clear()
-        self.version += 1
-        return self.version
+        with self._lock:
+            shardings = jax.tree.map(lambda a: a.sharding, self.params)
+            self.params = jax.device_put(params, shardings)
+            self.prefix.clear()
+            self.version += 1
+            return self.version
 
     def warmup(self, *, score_lengths: Sequence[int] = ()) -> None:
         """Compiles every shape `step` can use (prefill buckets, decode / speculative step, page copies,
@@ -562,21 +587,23 @@ class Engine:
         return out
 
     def _counting(self):
-        return _Counting(self._compiles)
+        return _Counting(self._compiles, self._lock)
 
 
 class _Counting:
-    """Counts lowerings in this thread while inside an engine call."""
+    """Holds the engine lock and counts lowerings in this thread while inside an engine call."""
 
-    def __init__(self, counter: list[int]):
-        self.counter = counter
+    def __init__(self, counter: list[int], lock: threading.RLock):
+        self.counter, self.lock = counter, lock
 
     def __enter__(self):
+        self.lock.acquire()
         self.saved = getattr(_TLS, "counter", None)
         _TLS.counter = self.counter
 
     def __exit__(self, *exc):
         _TLS.counter = self.saved
+        self.lock.release()
 
 
 @functools.lru_cache(maxsize=64)

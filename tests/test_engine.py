@@ -401,3 +401,21 @@ def test_errors_name_the_field(target, engine):
     with pytest.raises(ValueError, match="draft model vocab_size=512"):
         Engine(cfg, params, ECFG, draft=ModelDrafter(big, nnx.state(model.build(big), nnx.Param)))
     assert not engine.has_work()
+
+
+def test_threads_share_one_engine(engine):
+    """Two threads generate at once (their steps interleave in one batch); each gets its own completions,
+    equal to running alone."""
+    import threading
+
+    a_prompts, b_prompts = _prompts(15, [5, 17, 9]), _prompts(16, [12, 3])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=11, n=2, seed=8)
+    alone_a, alone_b = engine.generate(a_prompts, sp), engine.generate(b_prompts, sp)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(a=engine.generate(a_prompts, sp)))
+    thread.start()
+    result["b"] = engine.generate(b_prompts, sp)
+    thread.join()
+    assert [c.tokens for c in result["a"]] == [c.tokens for c in alone_a]
+    assert [c.tokens for c in result["b"]] == [c.tokens for c in alone_b]
+    _check_released(engine)
