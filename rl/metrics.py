@@ -1,0 +1,206 @@
+"""Run metrics: one JSON line per `log` call in `workdir/metrics.jsonl`, TensorBoard scalars, a progress line.
+
+Record format: `{"step": int, "time": unix seconds, <key>: number | null, ...}`, one object per line, strict
+JSON (a NaN or an infinity is written as `null` and counted in `MetricsLogger.nonfinite`). A run resumed from
+a checkpoint appends to the same file, so a step may appear twice; `by_step` merges records per step, later
+values winning.
+
+Key naming convention (`rl.plot` and dashboards read these; "/" groups keys in TensorBoard):
+
+    reward, loss                  step means over all domains (the progress line shows these)
+    reward/<domain>               mean reward of the step's samples of <domain>
+    weight/<domain>               the curriculum's sampling weight of <domain> (`rl.curriculum`)
+    status/<status>               samples of the step with that `envs.Score` status
+    eval/<domain>/pass@1          held-out pass@1 from `rl.evaluate` (also pass@<k>, reward, ...)
+    time/<phase>                  seconds spent in a phase of the step (rollout, train, ...)
+
+JAX-free: values may be numpy or JAX scalars (anything `float()` accepts); nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import numbers
+import os
+import pathlib
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+REWARD_KEYS = ("reward", "reward_mean")  # the progress line shows the first of these present
+LOSS_KEYS = ("loss",)
+
+
+def _scalar(key: str, value: Any) -> int | float:
+    """A Python int (for ints and bools) or float; raises on anything that is no scalar number."""
+    if isinstance(value, (bool, numbers.Integral)):
+        return int(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metric {key!r}={value!r} is not a scalar number") from e
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss, e.g. 3725.4 -> '1:02:05'."""
+    s = max(0, int(round(seconds)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _first(metrics: Mapping[str, Any], keys: Iterable[str]) -> float | None:
+    for k in keys:
+        if metrics.get(k) is not None:
+            return metrics[k]
+    return None
+
+
+def progress_line(step: int, total: int | None, metrics: Mapping[str, Any], steps_per_s: float | None) -> str:
+    """'step 12/100 | reward 0.250 | loss 0.01234 | 1.50 steps/s | ETA 0:00:59' ('-' where unknown)."""
+    reward, loss = _first(metrics, REWARD_KEYS), _first(metrics, LOSS_KEYS)
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+    parts.append("reward " + ("-" if reward is None else f"{reward:.3f}"))
+    parts.append("loss " + ("-" if loss is None else f"{loss:.4g}"))
+    parts.append("-" if not steps_per_s else f"{steps_per_s:.2f} steps/s")
+    if total:
+        eta = (total - step) / steps_per_s if steps_per_s else None
+        parts.append("ETA " + ("-" if eta is None else format_duration(eta)))
+    return " | ".join(parts)
+
+
+def _summary_writer(logdir: pathlib.Path, tensorboard: bool | None) -> Any:
+    """A TensorBoard SummaryWriter (tensorboardX, else torch's), None when off or neither is installed."""
+    if tensorboard is False:
+        return None
+    if importlib.util.find_spec("tensorboardX") is not None:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter(str(logdir))
+    # torch's writer needs the `tensorboard` package; checking first avoids importing torch for nothing.
+    if importlib.util.find_spec("tensorboard") is not None and importlib.util.find_spec("torch") is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(logdir))
+    if tensorboard:
+        raise ImportError("tensorboard=True needs tensorboardX: pip install -e '.[tensorboard]'")
+    return None
+
+
+class MetricsLogger:
+    """Appends metrics to `workdir/metrics.jsonl` (flushed per line), TensorBoard and a progress line.
+
+    `tensorboard`: None writes event files to `workdir/tensorboard` when a writer is importable, True
+    requires one, False never writes them. The progress line goes to `stream`: rewritten in place (`\\r`)
+    on a terminal, else one line every `print_every` steps (and at the last step).
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        tensorboard: bool | None = None,
+        total_steps: int | None = None,
+        stream: TextIO | None = sys.stderr,
+        print_every: int = 10,
+    ):
+        self.workdir = pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.path = self.workdir / METRICS_FILE
+        self.total_steps, self.stream, self.print_every = total_steps, stream, max(1, print_every)
+        self.nonfinite: Counter[str] = Counter()  # key -> NaN/inf values written as null
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._writer = _summary_writer(self.workdir / "tensorboard", tensorboard)
+        self._tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self._start: tuple[int, float] | None = None  # (step, monotonic time) of the first call
+        self._last_width = 0
+
+    @property
+    def tensorboard(self) -> bool:
+        return self._writer is not None
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Writes one record for `step`; returns it (non-finite values as None)."""
+        step = int(step)
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        for key, value in metrics.items():
+            if key in record:
+                raise ValueError(f"metric key {key!r} is reserved")
+            v = _scalar(key, value)
+            if isinstance(v, float) and not math.isfinite(v):
+                self.nonfinite[key] += 1
+                v = None
+            record[key] = v
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, v in record.items():
+                if key not in ("step", "time") and v is not None:
+                    self._writer.add_scalar(key, v, step)
+        self._progress(step, record)
+        return record
+
+    def _progress(self, step: int, record: Mapping[str, Any]) -> None:
+        now = time.monotonic()
+        if self._start is None:
+            self._start = (step, now)
+        first_step, t0 = self._start
+        rate = (step - first_step) / (now - t0) if step > first_step and now > t0 else None
+        if self.stream is None:
+            return
+        line = progress_line(step, self.total_steps, record, rate)
+        if self.nonfinite:
+            line += f" | non-finite {sum(self.nonfinite.values())}"
+        if self._tty:
+            self.stream.write("\r" + line.ljust(self._last_width))
+            self._last_width = len(line)
+        elif step % self.print_every == 0 or step == first_step or step == self.total_steps:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self._tty and self._last_width:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of `workdir/metrics.jsonl` in file order. A torn last line (a run killed mid-write) is
+    skipped; a malformed line elsewhere is an error naming it."""
+    path = pathlib.Path(workdir) / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {workdir} the --workdir of a training run?")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1} is not a JSON object: {e}") from e
+    return records
+
+
+def by_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Records merged per step (a later value for a key wins: a resumed run re-logs steps), step order."""
+    merged: dict[int, dict[str, Any]] = {}
+    for r in records:
+        merged.setdefault(int(r["step"]), {}).update(r)
+    return [merged[s] for s in sorted(merged)]
