@@ -56,6 +56,48 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     rl.advantage_std = "group"  # rl.grpo.group_advantages(std=...): group | batch | none (Dr. GRPO)
     rl.max_prompt_len = 16 if name == "tiny" else 256  # prompt tokens kept (left-truncated beyond this)
     rl.max_new_tokens = 16 if name == "tiny" else 256  # completion tokens sampled per prompt
+    _add_loop_config(cfg, name)
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     return cfg
+
+
+def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
+    """The main job's fields (rl/train.py): domains, rollout, async pipeline, checkpoints, SFT, evaluation."""
+    rl = cfg.rl
+    rl.seed = 0  # model init, task streams, sampling keys
+    rl.steps = 20 if name == "tiny" else 500  # GRPO steps
+    rl.domains = ("math",)  # task domains (envs.registry names)
+    rl.curriculum = "adaptive"  # adaptive (reward gain per unit of compute) | static
+    rl.static_weights = ml_collections.ConfigDict()  # domain -> weight, for curriculum="static"
+    rl.curriculum_floor = 0.1  # exploration floor of every domain's sampling weight
+    rl.quality_gate = True  # refuse domains that fail envs.qa (run once at start, n=quality_gate_n)
+    rl.quality_gate_n = 4
+    rl.top_p, rl.top_k = 1.0, 0  # sampling filters (temperature is rl.temperature)
+    rl.max_turns = 1  # model turns per episode in multi-turn domains (terminal)
+    rl.chat = False  # format prompts with the tokenizer's chat template
+    rl.tokenizer = ""  # HF tokenizer dir; "" = byte-level (ByteTokenizer(vocab_size))
+    rl.env_workers = 2  # environment worker processes
+    rl.env_timeout_s = 30.0
+    rl.max_attempts = 4  # rollout rounds per batch to back-fill groups dropped by the filters
+    rl.reward_tol = 1e-6  # float rewards within this are "equal" for the zero-variance filter
+    rl.async_rollout = False  # overlap sampling with training (bounded staleness)
+    rl.max_staleness = 1  # versions a batch may lag the trainer (async); 0 = on-policy
+    rl.max_queue = 2  # batches the producer may run ahead
+    rl.length_bucket = 64  # train batches are padded to fixed [batch_size, seq_len] anyway
+    rl.checkpoint_every = 10
+    rl.max_to_keep = 2
+    rl.log_every = 1
+    rl.tensorboard = True  # when tensorboardX is installed
+    e = rl.engine = ml_collections.ConfigDict()  # inference.EngineConfig fields
+    e.max_batch = 32 if name == "tiny" else 64
+    e.page_size = 16
+    e.prefill_chunk = 64 if name == "tiny" else 256
+    e.prefill_batch = 4
+    e.min_bucket = 16
+    sft = rl.sft = ml_collections.ConfigDict()  # warm start on reference solutions (no checkpoint yet)
+    sft.steps = 20 if name == "tiny" else 200
+    sft.rows = 16
+    ev = rl.eval = ml_collections.ConfigDict()  # held-out evaluation before and after training
+    ev.n_tasks = 8 if name == "tiny" else 64  # per domain
+    ev.k = 4  # samples per task (pass@1 over all samples, pass@k)

@@ -1,0 +1,85 @@
+"""python -m rl.sft --config=configs/grpo.py:tiny --workdir=runs/tiny
+
+Supervised warm start on reference solutions: each example is the task's prompt (as the sampler sees it,
+`rl.rollout.format_prompt`) followed by `Environment.reference_solution(task)` and the end-of-sequence
+token; the loss is the cross-entropy of the solution tokens only (`rl.train_step.make_sft_step`, the same
+state and optimizer as GRPO). Multi-turn domains are trained on their action lines as one completion.
+
+As a CLI it runs `cfg.rl.sft.steps` steps on tasks from the train split of `cfg.rl.domains` and saves a
+checkpoint (step 0 of the GRPO run) into `<workdir>/checkpoints`, which `python -m rl.train` resumes from.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from envs import Task, registry
+
+
+def sft_example(task: Task, env, tokenizer, *, chat: bool) -> tuple[list[int], list[int]]:
+    """(tokens, mask): prompt + reference solution + eos; mask 1 on the solution and eos tokens."""
+    from rl import rollout
+
+    prompt = rollout.format_prompt(task, tokenizer, chat=chat)
+    solution = tokenizer.encode(env.reference_solution(task)) + [tokenizer.eos_id]
+    return prompt + solution, [0] * len(prompt) + [1] * len(solution)
+
+
+def sft_batch(
+    examples: Sequence[tuple[list[int], list[int]]], rows: int, length: int
+) -> dict[str, np.ndarray]:
+    """Right-padded [rows, length] arrays; examples longer than `length` keep their last `length` tokens
+    (the solution end); missing rows are all padding (mask 0)."""
+    tokens = np.zeros((rows, length), np.int32)
+    mask = np.zeros((rows, length), np.float32)
+    for r, (toks, m) in enumerate(examples[:rows]):
+        toks, m = toks[-length:], m[-length:]
+        tokens[r, : len(toks)] = toks
+        mask[r, : len(m)] = m
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
+    return {"tokens_BT": tokens, "positions_BT": positions, "mask_BT": mask}
+
+
+def run_sft(
+    cfg,
+    model_def,
+    state,
+    next_tasks: Callable[[int], list[Task]],
+    tokenizer,
+    *,
+    steps: int,
+    rows: int,
+    length: int,
+    log: Callable[[int, dict], None] | None = None,
+    chat: bool = False,
+):
+    """`steps` SFT updates on fresh tasks each step; returns the new state."""
+    from rl import train_step
+
+    step_fn = train_step.make_sft_step(cfg, model_def)
+    envs_by_domain: dict[str, object] = {}
+    for i in range(steps):
+        tasks = next_tasks(rows)
+        examples = []
+        for task in tasks:
+            env = envs_by_domain.setdefault(task.domain, registry.make(task.domain))
+            examples.append(sft_example(task, env, tokenizer, chat=chat))
+        t0 = time.perf_counter()
+        state, metrics = step_fn(state, sft_batch(examples, rows, length))
+        if log is not None:
+            metrics = {f"sft/{k}": float(v) for k, v in metrics.items()}
+            metrics["sft/step_s"] = time.perf_counter() - t0
+            log(i, metrics)
+    return state
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    from rl import train
+
+    app.run(train.main, argv=sys.argv + ["--sft_only"])
