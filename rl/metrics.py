@@ -7,7 +7,8 @@ values winning.
 
 Key naming convention (`rl.plot` and dashboards read these; "/" groups keys in TensorBoard):
 
-    reward, loss                  step means over all domains (the progress line shows these)
+    reward, loss                  step means over all domains (the progress line shows these, or
+                                  rollout/reward_mean and train/loss, as rl.train names them)
     reward/<domain>               mean reward of the step's samples of <domain>
     weight/<domain>               the curriculum's sampling weight of <domain> (`rl.curriculum`)
     status/<status>               samples of the step with that `envs.Score` status
@@ -32,8 +33,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 METRICS_FILE = "metrics.jsonl"
-REWARD_KEYS = ("reward", "reward_mean")  # the progress line shows the first of these present
-LOSS_KEYS = ("loss",)
+# The progress line shows the first of these present (rl.train logs rollout/... and train/... keys).
+REWARD_KEYS = ("reward", "reward_mean", "rollout/reward_mean")
+LOSS_KEYS = ("loss", "train/loss")
 
 
 def _scalar(key: str, value: Any) -> int | float:

@@ -1,0 +1,325 @@
+"""python -m rl.evaluate --workdir=runs/tiny --domains=math,code --n_tasks=50 --k=4
+
+Held-out evaluation of a policy: k samples per task, scored in the environment pool, summarised per domain.
+
+`evaluate` rolls out each domain's tasks with `rl.rollout.rollout` (n = k samples per task; multi-turn
+domains run up to `max_turns` model turns) and reports, per domain:
+
+    pass@1                       mean success over all samples (success: status "ok")
+    pass@k                       the unbiased estimator 1 - C(n-c, k) / C(n, k) (n samples, c successes),
+                                 averaged over tasks; with n = k: the fraction of tasks solved at least once
+    reward                       mean reward over all samples
+    status                       counts of every `envs.STATUSES` value (they sum to tasks * k); the
+                                 environment's failures (timeout, crash, env_error) count as no success
+                                 for pass@k and are visible here, never hidden in a reward of 0
+    generated_tokens_per_task    model tokens sampled per task (all k samples, every turn)
+    sandbox_seconds_per_task     environment time per task (`Sample.sandbox_seconds`)
+    seconds_per_task             wall time per task (sampling and scoring)
+    prefix_cache_hit_rate        engine prefix-cache hits over lookups, counted during this domain's rollout
+
+The CLI reads the run's config (`<workdir>/config.json`, written by `rl.train`) and its latest checkpoint
+(or `--step`), draws `--n_tasks` held-out tasks per domain (`rl.data.DomainTasks(split="eval")`, the
+trainer's eval split), prints `format_table` and writes `<workdir>/eval.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from envs import STATUSES, EnvPool, Score, Task
+
+EVAL_FILE = "eval.json"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c successes: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What the summary needs of one sample."""
+
+    task_id: str
+    domain: str
+    reward: float
+    status: str
+    generated_tokens: int = 0
+    sandbox_seconds: float = 0.0
+
+    @classmethod
+    def from_score(cls, task: Task, score: Score, **kwargs: Any) -> Outcome:
+        return cls(task.id, task.domain, float(score.reward), score.status, **kwargs)
+
+    @classmethod
+    def from_sample(cls, sample: Any) -> Outcome:
+        """From an `rl.rollout.Sample`."""
+        return cls(
+            sample.task.id,
+            sample.task.domain,
+            float(sample.reward),
+            sample.status,
+            int(sample.num_generated),
+            float(sample.sandbox_seconds),
+        )
+
+
+def aggregate(outcomes: Iterable[Outcome], *, k: int) -> dict[str, dict[str, Any]]:
+    """Per-domain summary of `outcomes` (see the module docstring); every task needs >= k samples."""
+    by_task: dict[str, dict[str, list[Outcome]]] = defaultdict(lambda: defaultdict(list))
+    for o in outcomes:
+        if o.status not in STATUSES:
+            raise ValueError(f"task {o.task_id}: status {o.status!r} is not one of {STATUSES}")
+        by_task[o.domain][o.task_id].append(o)
+    results = {}
+    for domain, tasks in by_task.items():
+        samples = [o for group in tasks.values() for o in group]
+        status = dict.fromkeys(STATUSES, 0)
+        for o in samples:
+            status[o.status] += 1
+        per_task = [pass_at_k(len(g), sum(o.status == "ok" for o in g), k) for g in tasks.values()]
+        results[domain] = {
+            "tasks": len(tasks),
+            "samples": len(samples),
+            "k": k,
+            "pass@1": status["ok"] / len(samples),
+            "pass@k": sum(per_task) / len(per_task),
+            "reward": sum(o.reward for o in samples) / len(samples),
+            "status": status,
+            "generated_tokens_per_task": sum(o.generated_tokens for o in samples) / len(tasks),
+            "sandbox_seconds_per_task": sum(o.sandbox_seconds for o in samples) / len(tasks),
+        }
+    return results
+
+
+def _prefix_counts(engine: Any) -> tuple[float, float] | None:
+    """(hit tokens, looked-up tokens) of the engine's prefix cache so far, None when it reports none."""
+    stats = engine.stats() if hasattr(engine, "stats") else {}
+    prefix = stats.get("prefix_cache") or {}
+    if "hit_tokens" not in prefix or "lookup_tokens" not in prefix:
+        return None
+    return float(prefix["hit_tokens"]), float(prefix["lookup_tokens"])
+
+
+def evaluate(
+    engine: Any,
+    pool: EnvPool,
+    tokenizer: Any,
+    tasks_by_domain: Mapping[str, Sequence[Task]],
+    *,
+    k: int = 4,
+    sampling: Any,
+    max_turns: int = 1,
+    chat: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """{domain: summary} for `k` samples of every task (`sampling.n` is replaced by k); domain by domain,
+    so each domain's cost (wall time, prefix-cache hit rate) is its own."""
+    from rl import rollout as rollout_lib
+
+    results = {}
+    for domain, tasks in tasks_by_domain.items():
+        if not tasks:
+            raise ValueError(f"no tasks to evaluate for domain {domain!r}")
+        before = _prefix_counts(engine)
+        start = time.monotonic()
+        samples = rollout_lib.rollout(
+            engine, pool, list(tasks), tokenizer, n=k, sampling=sampling, max_turns=max_turns, chat=chat
+        )
+        seconds = time.monotonic() - start
+        after = _prefix_counts(engine)
+        summary = aggregate([Outcome.from_sample(s) for s in samples], k=k)
+        row = summary[domain]
+        row["seconds_per_task"] = seconds / len(tasks)
+        hit_rate = None
+        if before is not None and after is not None:
+            hit_rate = (after[0] - before[0]) / max(after[1] - before[1], 1.0)
+        row["prefix_cache_hit_rate"] = hit_rate
+        results[domain] = row
+    return results
+
+
+def flatten(results: Mapping[str, Mapping[str, Any]], prefix: str = "eval") -> dict[str, float]:
+    """Scalars for `rl.metrics.MetricsLogger`: `eval/<domain>/pass@1`, `eval/<domain>/status/ok`, ..."""
+    out: dict[str, float] = {}
+    for domain, row in results.items():
+        for key, value in row.items():
+            if isinstance(value, Mapping):
+                out.update({f"{prefix}/{domain}/{key}/{s}": float(v) for s, v in value.items()})
+            elif value is not None:
+                out[f"{prefix}/{domain}/{key}"] = float(value)
+    return out
+
+
+_STATUS_HEADERS = {"format_error": "format", "sandbox_violation": "violation"}
+
+
+def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """An aligned text table, one row per domain: quality, status counts, then cost per task."""
+    k = {row["k"] for row in results.values()}
+    pass_k = f"pass@{k.pop()}" if len(k) == 1 else "pass@k"
+    header = ["domain", "tasks", "pass@1", pass_k, "reward"]
+    header += [_STATUS_HEADERS.get(s, s) for s in STATUSES]
+    header += ["tokens/task", "sandbox_s/task", "s/task", "prefix_hit"]
+    rows = [header]
+    for domain in sorted(results):
+        r = results[domain]
+        hit = r.get("prefix_cache_hit_rate")
+        rows.append(
+            [domain, str(r["tasks"]), f"{r['pass@1']:.3f}", f"{r['pass@k']:.3f}", f"{r['reward']:.3f}"]
+            + [str(r["status"][s]) for s in STATUSES]
+            + [
+                f"{r['generated_tokens_per_task']:.1f}",
+                f"{r['sandbox_seconds_per_task']:.3f}",
+                f"{r['seconds_per_task']:.2f}" if "seconds_per_task" in r else "-",
+                "-" if hit is None else f"{hit:.3f}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_run_config(workdir: str) -> Any:
+    """The config `rl.train` saved in `<workdir>/config.json`, as an ml_collections ConfigDict."""
+    import ml_collections
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} not found: rl.train writes it when a run starts. Point --workdir at a training run, "
+            "or pass the run's config with --config=configs/grpo.py:<arg>."
+        )
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def heldout_tasks(domains: Sequence[str], n_tasks: int, seed: int) -> dict[str, list[Task]]:
+    """The first `n_tasks` of each domain's eval split (the trainer's held-out tasks)."""
+    from rl import data
+
+    out = {}
+    for domain in domains:
+        stream = data.DomainTasks(domain, seed=seed, split="eval")
+        out[domain] = stream.next_tasks(n_tasks)
+        stream.close()
+    return out
+
+
+def run(
+    workdir: str,
+    *,
+    cfg: Any = None,
+    domains: Sequence[str] | None = None,
+    n_tasks: int | None = None,
+    k: int | None = None,
+    step: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    seed: int = 12345,
+    out: str | None = None,
+) -> dict[str, Any]:
+    """Evaluates the checkpoint of `workdir` (latest, or `step`); writes and returns {"step", "results"}.
+    Unset arguments come from the run's config (`cfg`, else `<workdir>/config.json`)."""
+    cfg = cfg if cfg is not None else load_run_config(workdir)
+    rl = cfg.rl
+    domains = list(domains or rl.domains)
+    n_tasks = n_tasks or rl.eval.n_tasks
+    k = k or rl.eval.k
+    max_new_tokens = max_new_tokens or rl.max_new_tokens
+    tasks = heldout_tasks(domains, n_tasks, rl.seed)
+    # The pool forks its workers before JAX creates any array (envs/pool.py).
+    with EnvPool(rl.env_workers, domains=domains, timeout_s=rl.env_timeout_s) as pool:
+        from inference import Engine, EngineConfig, SamplingParams
+        from model.tokenizer import load_tokenizer
+        from rl import checkpoint, rollout, train_step
+
+        tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
+        _, state = train_step.init_state(cfg, seed=rl.seed)
+        ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1)
+        try:
+            restored = ckpt.restore(step, target_state=state)
+        finally:
+            ckpt.close()
+        if restored is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first (python -m rl.train ...)")
+        state, meta = restored
+        prompts = [rollout.format_prompt(t, tokenizer, chat=rl.chat) for ts in tasks.values() for t in ts]
+        longest = max(map(len, prompts))
+        page = rl.engine.page_size
+        max_seq_len = -(-max(cfg.seq_len, longest + max_new_tokens) // page) * page
+        engine = Engine(cfg, state.params, EngineConfig.from_config(dict(rl.engine, max_seq_len=max_seq_len)))
+        sampling = SamplingParams(
+            temperature=rl.temperature if temperature is None else temperature,
+            top_k=rl.top_k,
+            top_p=rl.top_p,
+            max_new_tokens=max_new_tokens,
+            stop_tokens=tuple(tokenizer.stop_ids),
+            seed=seed,
+        )
+        results = evaluate(
+            engine, pool, tokenizer, tasks, k=k, sampling=sampling, max_turns=rl.max_turns, chat=rl.chat
+        )
+    report = {"step": meta.get("step"), "results": results}
+    out = out or os.path.join(workdir, EVAL_FILE)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def main() -> None:
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config = config_flags.DEFINE_config_file("config", None, "Config file (default: <workdir>/config.json).")
+    workdir = flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
+    domains = flags.DEFINE_list("domains", None, "Domains to evaluate (default: the run's rl.domains).")
+    n_tasks = flags.DEFINE_integer("n_tasks", None, "Held-out tasks per domain (default: rl.eval.n_tasks).")
+    k = flags.DEFINE_integer("k", None, "Samples per task (default: rl.eval.k).")
+    step = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    temperature = flags.DEFINE_float("temperature", None, "Sampling temperature (default: rl.temperature).")
+    max_new = flags.DEFINE_integer("max_new_tokens", None, "Tokens per turn (default: rl.max_new_tokens).")
+    out = flags.DEFINE_string("out", None, "Output JSON (default: <workdir>/eval.json).")
+    flags.mark_flag_as_required("workdir")
+
+    def _main(argv: Sequence[str]) -> None:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        report = run(
+            workdir.value,
+            cfg=config.value,
+            domains=domains.value,
+            n_tasks=n_tasks.value,
+            k=k.value,
+            step=step.value,
+            temperature=temperature.value,
+            max_new_tokens=max_new.value,
+            out=out.value,
+        )
+        print(f"step {report['step']}")
+        print(format_table(report["results"]))
+        print(f"wrote {out.value or os.path.join(workdir.value, EVAL_FILE)}", file=sys.stderr)
+
+    app.run(_main)
+
+
+if __name__ == "__main__":
+    main()

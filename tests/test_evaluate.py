@@ -1,0 +1,203 @@
+"""rl.evaluate (pass@k, per-domain aggregation, table, a real evaluation of the tiny model) and rl.plot."""
+
+import json
+import math
+
+import pytest
+
+from envs import STATUSES, EnvPool, Score, Task, registry
+from rl import evaluate, metrics, plot
+
+# ---------------------------------------------------------------------------------------------------------
+# pass@k
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 1, 1, 0.25),  # k = 1 is c/n: 1 - C(3,1)/C(4,1) = 1 - 3/4
+        (5, 2, 3, 0.9),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+        (10, 3, 4, 1 - 35 / 210),  # C(7,4) = 35, C(10,4) = 210
+        (4, 0, 4, 0.0),  # never solved
+        (4, 4, 2, 1.0),  # always solved
+        (2, 1, 2, 1.0),  # n - c < k: every k-subset holds a success (C(1,2) = 0)
+        (4, 1, 4, 1.0),  # n = k: 1 if any success
+    ],
+)
+def test_pass_at_k_golden(n, c, k, expected):
+    assert evaluate.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("n, c, k", [(4, 1, 5), (4, 5, 2), (4, -1, 2), (4, 1, 0)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        evaluate.pass_at_k(n, c, k)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aggregation from hand-made scores
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _outcomes() -> list[evaluate.Outcome]:
+    a, b = Task("a", "math", "p"), Task("b", "math", "p")
+    c = Task("c", "code", "p")
+    scores = [
+        (a, Score(1.0, "ok"), 10, 0.0),
+        (a, Score(0.0, "wrong"), 20, 0.0),
+        (a, Score(0.0, "wrong"), 30, 0.0),
+        (a, Score(0.0, "format_error"), 40, 0.0),
+        (b, Score(0.0, "wrong"), 5, 0.0),
+        (b, Score(0.0, "timeout"), 5, 0.0),
+        (b, Score(0.0, "wrong"), 5, 0.0),
+        (b, Score(0.0, "wrong"), 5, 0.0),
+        (c, Score(1.0, "ok"), 8, 0.5),
+        (c, Score(1.0, "ok"), 8, 0.5),
+        (c, Score(0.0, "crash"), 8, 2.0),
+        (c, Score(0.25, "wrong"), 8, 1.0),  # partial credit (code: tests passed)
+    ]
+    return [
+        evaluate.Outcome.from_score(t, s, generated_tokens=g, sandbox_seconds=sec) for t, s, g, sec in scores
+    ]
+
+
+def test_aggregate_by_hand():
+    results = evaluate.aggregate(_outcomes(), k=2)
+    assert sorted(results) == ["code", "math"]
+    m, c = results["math"], results["code"]
+    assert (m["tasks"], m["samples"], m["k"]) == (2, 8, 2)
+    assert m["pass@1"] == 1 / 8
+    assert m["pass@k"] == pytest.approx((0.5 + 0.0) / 2)  # task a: n=4, c=1, k=2 -> 0.5; task b: 0
+    assert m["reward"] == 1 / 8
+    assert m["status"] == {
+        "ok": 1,
+        "wrong": 5,
+        "format_error": 1,
+        "timeout": 1,
+        "crash": 0,
+        "sandbox_violation": 0,
+        "env_error": 0,
+    }
+    assert m["generated_tokens_per_task"] == (100 + 20) / 2
+    assert m["sandbox_seconds_per_task"] == 0.0
+    assert c["pass@1"] == 0.5
+    assert c["pass@k"] == pytest.approx(1 - 1 / 6)  # 1 - C(2,2)/C(4,2)
+    assert c["reward"] == pytest.approx(2.25 / 4)
+    assert c["status"]["ok"] == 2 and c["status"]["crash"] == 1 and c["status"]["wrong"] == 1
+    assert c["sandbox_seconds_per_task"] == 4.0
+    for row in results.values():
+        assert list(row["status"]) == list(STATUSES)
+        assert sum(row["status"].values()) == row["samples"]
+
+
+def test_aggregate_rejects_unknown_status_and_too_few_samples():
+    with pytest.raises(ValueError, match="'bogus'"):
+        evaluate.aggregate([evaluate.Outcome("t", "math", 0.0, "bogus")], k=1)
+    with pytest.raises(ValueError, match="k=2"):
+        evaluate.aggregate([evaluate.Outcome("t", "math", 1.0, "ok")], k=2)
+
+
+def test_table_and_flatten():
+    results = evaluate.aggregate(_outcomes(), k=2)
+    results["math"].update(seconds_per_task=1.5, prefix_cache_hit_rate=0.25)
+    results["code"].update(seconds_per_task=0.5, prefix_cache_hit_rate=None)
+    lines = evaluate.format_table(results).splitlines()
+    assert len(lines) == 3 and len({len(line) for line in lines}) == 1  # aligned
+    assert lines[0].split()[:5] == ["domain", "tasks", "pass@1", "pass@2", "reward"]
+    assert lines[1].split()[:5] == ["code", "1", "0.500", "0.833", "0.562"]
+    assert lines[2].split()[0] == "math" and lines[2].split()[-1] == "0.250"
+    assert lines[1].split()[-1] == "-"
+    flat = evaluate.flatten(results)
+    assert flat["eval/math/pass@1"] == 1 / 8 and flat["eval/code/status/crash"] == 1.0
+    assert "eval/code/prefix_cache_hit_rate" not in flat
+    json.dumps(results)  # the eval.json payload
+
+
+def test_missing_run_config_names_file_and_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config\.json.*--config="):
+        evaluate.load_run_config(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A real evaluation: tiny model, engine, environment pool
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool(1, domains=["math", "debug"], timeout_s=30.0) as p:  # started before the model's arrays
+        yield p
+
+
+def test_evaluate_tiny_model_end_to_end(pool):
+    from flax import nnx
+
+    import model
+    from configs import tiny
+    from inference import Engine, EngineConfig, SamplingParams
+    from model.tokenizer import ByteTokenizer
+
+    cfg = tiny.get_config()
+    params = nnx.state(model.build(cfg, seed=0), nnx.Param)
+    ecfg = EngineConfig(
+        max_batch=4,
+        max_seq_len=256,
+        page_size=8,
+        num_pages=128,
+        prefill_chunk=64,
+        prefill_batch=2,
+        min_bucket=16,
+    )
+    engine = Engine(cfg, params, ecfg)
+    tasks = {
+        "math": registry.make("math").sample_tasks(seed=10_000, n=3),
+        "debug": registry.make("debug").sample_tasks(seed=10_001, n=2),
+    }
+    k, max_new = 2, 24
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
+    results = evaluate.evaluate(engine, pool, ByteTokenizer(256), tasks, k=k, sampling=sampling)
+
+    assert sorted(results) == ["debug", "math"]
+    for domain, row in results.items():
+        n_tasks = len(tasks[domain])
+        assert (row["tasks"], row["samples"], row["k"]) == (n_tasks, n_tasks * k, k)
+        assert sum(row["status"].values()) == n_tasks * k
+        assert 0.0 <= row["pass@1"] <= row["pass@k"] <= 1.0
+        assert row["pass@1"] == row["status"]["ok"] / (n_tasks * k)
+        assert 0.0 <= row["reward"] <= 1.0
+        # Every sample generated 1..max_new tokens (a random model rarely emits NUL, the stop token).
+        assert k <= row["generated_tokens_per_task"] <= k * max_new
+        assert row["sandbox_seconds_per_task"] >= 0.0 and row["seconds_per_task"] > 0.0
+        assert 0.0 <= row["prefix_cache_hit_rate"] <= 1.0
+        assert not any(row["status"][s] for s in ("timeout", "crash", "env_error")), row["status"]
+    assert "math" in evaluate.format_table(results)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rl.plot
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_plot_writes_png(tmp_path):
+    with metrics.MetricsLogger(tmp_path, tensorboard=False, stream=None) as log:
+        for step in range(1, 11):
+            log.log(
+                step,
+                {
+                    "reward/math": step / 10,
+                    "reward/code": math.sqrt(step) / 4 if step != 5 else float("nan"),
+                    "weight/math": 0.5 + step / 40,
+                    "weight/code": 0.5 - step / 40,
+                    "train/loss": 1.0 / step,
+                },
+            )
+        log.log(10, {"eval/math/pass@1": 0.75})
+    records = metrics.read_metrics(tmp_path)
+    steps, values = plot.series(records, plot._REWARD)["code"]
+    assert 5 not in steps and len(steps) == len(values) == 9  # the NaN was logged as null and is skipped
+    out = tmp_path / "curves.png"
+    counts = plot.plot(records, out)
+    assert counts == {"reward": 2, "eval": 1, "weight": 2}
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5_000
