@@ -54,6 +54,7 @@ def plot(records: Sequence[Mapping[str, Any]], out_path: str | os.PathLike) -> d
         for domain, (steps, values) in weights.items():
             ax_w.plot(steps, values, label=domain, color=colors.get(domain))
         ax_w.set_ylabel("sampling weight")
+        ax_w.set_ylim(0.0, 1.0)
         ax_w.set_xlabel("step")
         ax_w.set_title("curriculum domain weights")
         for ax, curves in ((ax_r, rewards or evals), (ax_w, weights)):

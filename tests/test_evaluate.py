@@ -131,6 +131,60 @@ def pool():
         yield p
 
 
+class _ScriptedEngine:
+    """Answers prompt i, sample j of each `generate` call with `script[i][j]` and the stop token; its prefix
+    cache reports 3 hits per 10 looked-up tokens per call, on top of earlier (pre-evaluation) counts."""
+
+    def __init__(self, script: list[list[str]], tokenizer):
+        self.script, self.tokenizer = script, tokenizer
+        self.prefix = {"hit_tokens": 100.0, "lookup_tokens": 100.0}
+
+    def generate(self, prompts, sampling):
+        from inference import Completion
+
+        out = []
+        for i, params in enumerate(sampling):
+            for j in range(params.n):
+                tokens = self.tokenizer.encode(self.script[i][j]) + [params.stop_tokens[0]]
+                out.append(Completion(i, tokens, [-1.0] * len(tokens), "stop", sample_index=j))
+        self.prefix["hit_tokens"] += 3
+        self.prefix["lookup_tokens"] += 10
+        return out
+
+    def stats(self):
+        return {"prefix_cache": dict(self.prefix, hit_rate=self.prefix["hit_tokens"] / 200)}
+
+
+def test_evaluate_scores_scripted_completions(pool):
+    from inference import SamplingParams
+    from model.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer(256)
+    math_env = registry.make("math")
+    math_tasks = math_env.sample_tasks(seed=10_000, n=2)
+    tasks = {"debug": registry.make("debug").sample_tasks(seed=7, n=3), "math": math_tasks}
+    scripts = {
+        "debug": [["ok", "wrong"], ["wrong", "wrong"], ["???", "ok"]],
+        "math": [[math_env.reference_solution(t), math_env.reference_solution(t)] for t in math_tasks],
+    }
+    results = {}
+    for domain, domain_tasks in tasks.items():
+        engine = _ScriptedEngine(scripts[domain], tokenizer)
+        sampling = SamplingParams(max_new_tokens=24, seed=0)
+        results.update(
+            evaluate.evaluate(engine, pool, tokenizer, {domain: domain_tasks}, k=2, sampling=sampling)
+        )
+    d = results["debug"]
+    assert d["status"] == {**dict.fromkeys(STATUSES, 0), "ok": 2, "wrong": 3, "format_error": 1}
+    assert d["pass@1"] == 2 / 6 and d["reward"] == 2 / 6
+    assert d["pass@k"] == pytest.approx((1 + 0 + 1) / 3)  # tasks 0 and 2 solved once in 2 samples
+    # Generated tokens count the stop token: task 0 (2+1) + (5+1), task 1 2 * (5+1), task 2 (3+1) + (2+1).
+    assert d["generated_tokens_per_task"] == (9 + 12 + 7) / 3
+    assert d["prefix_cache_hit_rate"] == pytest.approx(0.3)  # the delta over this call, not 103 / 110
+    m = results["math"]
+    assert m["status"]["ok"] == 4 and m["pass@1"] == 1.0 and m["pass@k"] == 1.0 and m["reward"] == 1.0
+
+
 def test_evaluate_tiny_model_end_to_end(pool):
     from flax import nnx
 
