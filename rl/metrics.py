@@ -88,16 +88,16 @@ def _summary_writer(logdir: pathlib.Path, tensorboard: bool | None) -> Any:
 
         return SummaryWriter(str(logdir))
     if tensorboard:
-        raise ImportError("tensorboard=True needs tensorboardX: pip install -e '.[tensorboard]'")
+        print("rl.metrics: no TensorBoard event files: pip install -e '.[tensorboard]'", file=sys.stderr)
     return None
 
 
 class MetricsLogger:
     """Appends metrics to `workdir/metrics.jsonl` (flushed per line), TensorBoard and a progress line.
 
-    `tensorboard`: None writes event files to `workdir/tensorboard` when a writer is importable, True
-    requires one, False never writes them. The progress line goes to `stream`: rewritten in place (`\\r`)
-    on a terminal, else one line every `print_every` steps (and at the last step).
+    `tensorboard`: event files go to `workdir/tensorboard` when a writer (tensorboardX) is importable,
+    unless False; True also says on stderr when none is installed. The progress line goes to `stream`:
+    rewritten in place (`\\r`) on a terminal, else one line every `print_every` steps (and at the last step).
     """
 
     def __init__(

@@ -137,3 +137,12 @@ def test_tensorboard_off_writes_no_events(tmp_path):
         assert not log.tensorboard
         log.log(0, {"loss": 1.0})
     assert not (tmp_path / "tensorboard").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboardX") is not None, reason="tensorboardX installed")
+def test_tensorboard_requested_but_missing_warns(tmp_path, capsys):
+    with metrics.MetricsLogger(tmp_path, tensorboard=True, stream=None) as log:
+        assert not log.tensorboard
+        log.log(0, {"loss": 1.0})
+    assert "tensorboard" in capsys.readouterr().err
+    assert metrics.read_metrics(tmp_path)[0]["loss"] == 1.0
