@@ -91,7 +91,9 @@ def _restore_sharding(x: Any, mesh: Mesh | None) -> jax.sharding.Sharding:
         return NamedSharding(mesh, s.spec)
     if s is not None:
         return s
-    return NamedSharding(mesh, PartitionSpec()) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+    if mesh is not None:
+        return NamedSharding(mesh, PartitionSpec())
+    return SingleDeviceSharding(jax.devices()[0])
 
 
 def _abstract_target(target_state: Any, mesh: Mesh | None) -> Any:
@@ -143,13 +145,13 @@ class Checkpointer:
         return self._manager.directory
 
     def should_save(self, step: int) -> bool:
-        """Every `save_every` steps, or when a multi-host preemption sync point is reached (all hosts agree)."""
+        """Every `save_every` steps, or at a multi-host preemption sync point (all hosts agree on it)."""
         if step == self.latest_step():
             return False
         return (step > 0 and step % self.save_every == 0) or self._manager.reached_preemption(step)
 
     def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Saves if `should_save(step)` or `force`; returns whether it did. Returns once arrays are on host."""
+        """Saves if `should_save(step)` or `force`; returns whether it did, once the arrays are on host."""
         if not (force or self.should_save(step)):
             return False
         if _RESERVED in meta:
@@ -179,10 +181,9 @@ class Checkpointer:
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         saved = meta.pop(_RESERVED, None)
         if self.config is not None and saved is not None:
-            if saved["model_config_hash"] != _config_hash(self.config):
-                check_config(saved["model_config"], self.config)
-        target = _abstract_target(target_state, self.mesh)
-        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+            check_config(saved["model_config"], self.config)
+        target = ocp.args.StandardRestore(_abstract_target(target_state, self.mesh))
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=target))
         return _rewrap_keys(restored.state, target_state), meta
 
     def wait(self) -> None:

@@ -69,8 +69,8 @@ DRIVER = textwrap.dedent(
             print("saved", step + 1, flush=True)
         time.sleep(pause)
     ckpt.close()
-    leaves = jax.tree.leaves(jax.tree.map(lambda x: jax.random.key_data(x) if x.dtype == state.rng.dtype else x,
-                                          state))
+    state = state.replace(rng=jax.random.key_data(state.rng))
+    leaves = jax.tree.leaves(state)
     np.savez(workdir + "/final.npz", *[np.asarray(x) for x in leaves])
     print("done", int(state.step), flush=True)
     """
@@ -210,9 +210,8 @@ def test_restore_onto_mesh_from_abstract_target(tmp_path):
     abstract["params"]["w"] = jax.ShapeDtypeStruct(
         (8, 2), jnp.float32, sharding=NamedSharding(abstract_mesh, PartitionSpec("data"))
     )
-    with Checkpointer(tmp_path, save_every=1) as ckpt:
-        with pytest.raises(ValueError, match="concrete `mesh`"):
-            ckpt.restore(target_state=abstract)
+    with Checkpointer(tmp_path, save_every=1) as ckpt, pytest.raises(ValueError, match="concrete `mesh`"):
+        ckpt.restore(target_state=abstract)
     with Checkpointer(tmp_path, save_every=1, mesh=mesh) as ckpt:
         got, _ = ckpt.restore(target_state=abstract)
     assert got["params"]["w"].sharding == NamedSharding(mesh, PartitionSpec("data"))
@@ -221,7 +220,8 @@ def test_restore_onto_mesh_from_abstract_target(tmp_path):
 
 def test_async_save_survives_donation(tmp_path):
     state = _toy_state()
-    add = jax.jit(lambda s: jax.tree.map(lambda x: x + 1 if not checkpoint._is_key(x) else x, s), donate_argnums=0)
+    bump = lambda s: {**s, "params": jax.tree.map(lambda x: x + 1, s["params"])}
+    add = jax.jit(bump, donate_argnums=0)
     want = np.asarray(state["params"]["w"]).copy()
     with Checkpointer(tmp_path, save_every=1, async_save=True) as ckpt:
         ckpt.save(1, state, {})
@@ -248,16 +248,18 @@ def test_other_model_config_is_named(tmp_path):
         ckpt.save(1, state, {})
     other = grpo.get_config("tiny")
     other.model.d_model, other.model.moe.top_k = 32, 1
-    with Checkpointer(tmp_path, save_every=1, model_config=other.model) as ckpt:
-        with pytest.raises(ConfigMismatch, match=r"d_model: checkpoint 64 vs now 32; moe.top_k: checkpoint 2"):
-            ckpt.restore(target_state=state)
+    named = r"d_model: checkpoint 64 vs now 32; moe.top_k: checkpoint 2 vs now 1"
+    with (
+        Checkpointer(tmp_path, save_every=1, model_config=other.model) as ckpt,
+        pytest.raises(ConfigMismatch, match=named),
+    ):
+        ckpt.restore(target_state=state)
     same = grpo.get_config("tiny")
     same.rl.optim.lr = 1.0  # not part of the model: resumes fine
     with Checkpointer(tmp_path, save_every=1, model_config=same.model) as ckpt:
         assert ckpt.restore(target_state=state) is not None
-    with Checkpointer(tmp_path, save_every=1) as ckpt:
-        with pytest.raises(ValueError, match="reserved"):
-            ckpt.save(2, state, {"_checkpoint": 1})
+    with Checkpointer(tmp_path, save_every=1) as ckpt, pytest.raises(ValueError, match="reserved"):
+        ckpt.save(2, state, {"_checkpoint": 1})
 
 
 def test_preemption_handler_flag_callback_and_restore():
