@@ -43,13 +43,13 @@ class Sample:
     """One completion (single-turn) or one episode (multi-turn) of a task.
 
     `tokens`, `mask`, `behaviour_logp` and `policy_versions` are aligned per completion token: model tokens
-    have mask 1, their sampling log-prob and the policy version that sampled them; observation tokens
-    (multi-turn) have mask 0, log-prob 0 and version -1. `actions` is the model's text of each turn without
-    stop tokens and `text` those joined by newlines; `observations` are the environment's replies appended
-    to the context (one fewer than `turns`, the model turns). `episode_done` is False when the rollout's turn
-    or token budget, not the environment, ended the episode. `sandbox_seconds` is
-    `details["sandbox_seconds"]` (the final `Score.details`) when the environment reports it, else this
-    sample's share of the wall time of the pool calls that scored it.
+    have mask 1, their sampling log-prob and the policy version that sampled them (0 if the engine reports
+    none); observation tokens (multi-turn) have mask 0, log-prob 0 and version -1. `actions` is the model's
+    text of each turn without stop tokens and `text` those joined by newlines; `observations` are the
+    environment's replies appended to the context (one fewer than `turns`, the model turns). `episode_done`
+    is False when the rollout's turn or token budget, not the environment, ended the episode.
+    `sandbox_seconds` is `details["sandbox_seconds"]` (the final `Score.details`) when the environment
+    reports it, else this sample's share of the wall time of the pool calls that scored it.
     """
 
     task: Task
@@ -153,7 +153,7 @@ class _Episode:
         versions = list(completion.policy_versions) or [0] * len(toks)
         self.versions += [int(v) for v in versions]
         self.finish_reason = completion.finish_reason
-        stopped = completion.finish_reason == "stop" and toks and toks[-1] in stop_tokens
+        stopped = completion.finish_reason == "stop" and bool(toks) and toks[-1] in stop_tokens
         self.last_stop = toks[-1] if stopped else None
         self.actions.append(tokenizer.decode(toks[:-1] if stopped else toks))
 
@@ -165,22 +165,11 @@ class _Episode:
         self.versions += [-1] * len(toks)
 
     def to_sample(self) -> Sample:
-        score = self.score
+        score, text = self.score, "\n".join(self.actions)
         seconds = float(score.details.get("sandbox_seconds", self.seconds))
         return Sample(
-            task=self.task,
-            group=self.group,
-            prompt_tokens=self.prompt,
-            tokens=self.tokens,
-            mask=self.mask,
-            behaviour_logp=self.logp,
-            policy_versions=self.versions,
-            reward=float(score.reward),
-            status=score.status,
-            finish_reason=self.finish_reason,
-            text="\n".join(self.actions),
-            actions=list(self.actions),
-            observations=list(self.observations),
+            *(self.task, self.group, self.prompt, self.tokens, self.mask, self.logp, self.versions),
+            *(float(score.reward), score.status, self.finish_reason, text, self.actions, self.observations),
             turns=len(self.actions),
             sandbox_seconds=seconds,
             episode_done=self.done,
@@ -210,7 +199,7 @@ def rollout(
     """`n` samples per task, ordered by (task, sample); task i is group `group_offset + i`.
 
     Stop tokens are `sampling.stop_tokens`, or the tokenizer's `stop_ids` when that is empty. The token
-    budget of one sample (prompt + every turn + observations) is `max_total_tokens`, else the engine's
+    budget of one sample (prompt + every turn + observations) is `max_total_tokens`, at most the engine's
     `max_seq_len`: each turn's `max_new_tokens` is clipped to what is left, and a multi-turn episode ends when
     the next observation plus one model token would not fit (that observation is then not appended). An
     episode also ends after `max_turns` model turns, when the environment says done, or when an environment
@@ -220,8 +209,8 @@ def rollout(
         raise ValueError(f"max_turns={max_turns} and n={n} must be >= 1")
     stop_tokens = tuple(sampling.stop_tokens) or tuple(tokenizer.stop_ids)
     sampling = dataclasses.replace(sampling, stop_tokens=stop_tokens)
-    ecfg = getattr(engine, "ecfg", None)
-    budget = max_total_tokens or (ecfg.max_seq_len if ecfg is not None else None)
+    limits = [max_total_tokens, getattr(getattr(engine, "ecfg", None), "max_seq_len", None)]
+    budget = min((x for x in limits if x), default=None)
     is_multi = multi_turn or default_multi_turn(pool)
 
     prompts = [format_prompt(task, tokenizer, chat=chat) for task in tasks]
@@ -340,21 +329,25 @@ def _zero_variance(rewards: list[float], tol: float) -> bool:
 
 
 def advantages(samples: Sequence[Sample], *, std: str = "group", eps: float = 1e-6) -> np.ndarray:
-    """Per-sample advantages (f32), computed group by group (groups may differ in size after exclusions)
-    with `rl.grpo.group_advantages`. `std="batch"` centres per group and divides by the std of all rewards
-    in `samples`, as the registered "batch" variant does for equal groups."""
+    """Per-sample advantages (f32) with `rl.grpo.group_advantages`, group by group: groups may differ in
+    size after exclusions, so groups of each size go through one call together. `std="batch"` centres per
+    group and divides by the std of all rewards in `samples`, as the registered "batch" variant does."""
     rewards = np.asarray([s.reward for s in samples], np.float32)
-    out = np.zeros(len(samples), np.float32)
     rows: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
         rows[s.group].append(i)
+    by_size: dict[int, list[list[int]]] = defaultdict(list)
     for idx in rows.values():
-        r = jnp.asarray(rewards[idx])
+        by_size[len(idx)].append(idx)
+    out = np.zeros(len(samples), np.float32)
+    for size, groups in by_size.items():
+        flat = np.concatenate(groups)
         if std == "batch":
-            adv = grpo.group_advantages(r, len(idx), std="none") / (float(rewards.std()) + eps)
+            adv = grpo.group_advantages(jnp.asarray(rewards[flat]), size, std="none")
+            adv = adv / (float(rewards.std()) + eps)
         else:
-            adv = grpo.group_advantages(r, len(idx), std=std, eps=eps)
-        out[idx] = np.asarray(adv)
+            adv = grpo.group_advantages(jnp.asarray(rewards[flat]), size, std=std, eps=eps)
+        out[flat] = np.asarray(adv)
     return out
 
 
@@ -434,6 +427,7 @@ def _stats(samples, lengths, t, mask_BT, advantages_B) -> dict[str, float]:
         stats[f"reward_mean/{domain}"] = float(np.mean([s.reward for s in members]))
         stats[f"samples/{domain}"] = float(len(members))
         stats[f"sandbox_seconds/{domain}"] = float(sum(s.sandbox_seconds for s in members))
+        stats[f"generated_tokens/{domain}"] = float(sum(s.num_generated for s in members))
     return stats
 
 
