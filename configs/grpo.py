@@ -54,8 +54,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     rl.group_size = 8  # completions sampled per prompt (n); advantages are relative within a group
     rl.prompts_per_step = 4 if name == "tiny" else 16  # groups per step (batch = this * group_size)
     rl.advantage_std = "group"  # rl.grpo.group_advantages(std=...): group | batch | none (Dr. GRPO)
-    rl.max_prompt_len = 16 if name == "tiny" else 256  # prompt tokens kept (left-truncated beyond this)
-    rl.max_new_tokens = 16 if name == "tiny" else 256  # completion tokens sampled per prompt
+    # Prompt and completion budgets (byte-level tokens for the tiny model: math prompts are ~130 bytes).
+    rl.max_prompt_len = 160 if name == "tiny" else 256
+    rl.max_new_tokens = 32 if name == "tiny" else 256  # completion tokens sampled per prompt
     _add_loop_config(cfg, name)
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens

@@ -51,7 +51,10 @@ class NgramDrafter:
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
             hits = np.flatnonzero(np.all(windows == suffix[None], axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                # The latest match with k tokens after it (in a loop of period P < k the latest match has
+                # only P), else the latest match.
+                full = hits[hits + n + k <= length]
+                start = int(full[-1] if full.size else hits[-1]) + n
                 return seq[start : start + k].tolist()
         return []
 

@@ -82,6 +82,7 @@ class Run:
             domains, mode=rl.curriculum, floor=rl.curriculum_floor, seed=rl.seed, **kwargs
         )
         self.lock = threading.Lock()  # streams and scheduler: producer thread vs trainer thread
+        self.skipped_long = 0
 
     def start_model(self):
         """Train state (restored or fresh + SFT) and the engine over its params."""
@@ -121,7 +122,7 @@ class Run:
         t0 = time.perf_counter()
 
         def next_tasks(n):
-            return self.streams.next_tasks(self.scheduler.allocate(n))
+            return self.fitting_tasks(n)
 
         self.state = sft.run_sft(
             self.cfg,
@@ -137,6 +138,28 @@ class Run:
         )
         self.logger.log(0, {"sft/seconds": time.perf_counter() - t0})
         self.save(0, force=True)
+
+    def fitting_tasks(self, n: int) -> list:
+        """n tasks split over the domains by the curriculum, skipping (and counting) tasks whose prompt is
+        longer than rl.max_prompt_len tokens."""
+        from rl import rollout
+
+        out = []
+        for _ in range(64):
+            for task in self.streams.next_tasks(self.scheduler.allocate(n - len(out))):
+                if (
+                    len(rollout.format_prompt(task, self.tokenizer, chat=self.cfg.rl.chat))
+                    <= self.cfg.rl.max_prompt_len
+                ):
+                    out.append(task)
+                else:
+                    self.skipped_long += 1
+            if len(out) == n:
+                return out
+        raise ValueError(
+            f"rl.max_prompt_len={self.cfg.rl.max_prompt_len} is shorter than nearly every prompt of "
+            f"{self.domains}; raise it (the engine's budget follows: seq_len = max_prompt_len + max_new_tokens)."
+        )
 
     def save(self, step: int, *, force: bool = False) -> None:
         with self.lock:
@@ -160,7 +183,7 @@ class Run:
 
         def next_tasks(n):
             with self.lock:
-                return self.streams.next_tasks(self.scheduler.allocate(n))
+                return self.fitting_tasks(n)
 
         sampling = SamplingParams(
             temperature=rl.temperature,
@@ -184,13 +207,17 @@ class Run:
             chat=rl.chat,
             reward_tol=rl.reward_tol,
         )
-        batch, stats = rollout.make_batch(
-            samples, adv_std=rl.advantage_std, length_bucket=rl.length_bucket, max_len=cfg.seq_len
-        )
-        batch = pad_batch(batch, cfg.batch_size, cfg.seq_len)
+        if not samples:  # every group filtered out (e.g. all wrong): nothing to learn from this round
+            stats, batch = {}, None
+        else:
+            batch, stats = rollout.make_batch(
+                samples, adv_std=rl.advantage_std, length_bucket=rl.length_bucket, max_len=cfg.seq_len
+            )
+            batch = pad_batch(batch, cfg.batch_size, cfg.seq_len)
         version = min((min(s.policy_versions, default=self.version) for s in samples), default=self.version)
         metrics = {f"rollout/{k}": float(v) for k, v in {**counts, **stats}.items() if _is_number(v)}
         metrics.update(_domain_metrics(samples))
+        metrics["rollout/skipped_long_prompts"] = float(self.skipped_long)
         return pipeline.RolloutBatch(batch, version, metrics)
 
     def update_curriculum(self, step: int, metrics: dict[str, float]) -> None:
@@ -202,7 +229,7 @@ class Run:
                         step=step,
                         mean_reward=metrics[f"reward/{d}"],
                         tokens_generated=metrics.get(f"tokens/{d}", 0.0),
-                        sandbox_seconds=metrics.get(f"sandbox_s/{d}", 0.0),
+                        sandbox_seconds=metrics.get(f"sandbox_seconds/{d}", 0.0),
                     )
             return {f"weight/{d}": w for d, w in self.scheduler.weights().items()}
 
@@ -235,6 +262,7 @@ class Run:
         )
         with open(os.path.join(self.workdir, f"eval_{tag}.json"), "w") as f:
             json.dump(results, f, indent=2, default=float)
+        self.logger.log(self.start_step if tag == "before" else self.cfg.rl.steps, evaluate.flatten(results))
         return results
 
     def close(self) -> None:
@@ -250,17 +278,17 @@ def _is_number(v) -> bool:
 
 
 def _domain_metrics(samples) -> dict[str, float]:
-    """reward/<domain>, tokens/<domain> (generated per step), sandbox_s/<domain>, ok/<domain>."""
+    """reward/<domain>, tokens/<domain> (generated per step), sandbox_seconds/<domain>, ok/<domain>."""
     out: dict[str, list] = {}
     for s in samples:
         d = s.task.domain
         out.setdefault(d, []).append(s)
-    metrics = {}
+    metrics = {"reward": float(np.mean([s.reward for s in samples]))} if samples else {}
     for d, group in out.items():
         metrics[f"reward/{d}"] = float(np.mean([s.reward for s in group]))
         metrics[f"ok/{d}"] = float(np.mean([s.status == "ok" for s in group]))
         metrics[f"tokens/{d}"] = float(sum(sum(s.mask) for s in group))
-        metrics[f"sandbox_s/{d}"] = float(sum(s.sandbox_seconds for s in group))
+        metrics[f"sandbox_seconds/{d}"] = float(sum(s.sandbox_seconds for s in group))
     return metrics
 
 
@@ -312,10 +340,13 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     return {"steps": step, "preempted": True}
                 item, pmetrics = pipe.get(run.engine.version)
                 t0 = time.perf_counter()
-                run.state, metrics = step_fn(run.state, item.batch)
-                metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
+                if item.batch is None:  # no group with a reward signal: the step makes no update
+                    metrics = {"train/skipped": 1.0}
+                else:
+                    run.state, metrics = step_fn(run.state, item.batch)
+                    metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
+                    run.version = run.engine.update_params(run.state.params)
                 metrics["pipeline/train_s"] = time.perf_counter() - t0
-                run.version = run.engine.update_params(run.state.params)
                 step += 1
                 metrics.update(item.metrics, **pmetrics, **run.update_curriculum(step, item.metrics))
                 if step % rl.log_every == 0 or step == rl.steps:
