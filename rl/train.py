@@ -158,7 +158,7 @@ class Run:
                 return out
         raise ValueError(
             f"rl.max_prompt_len={self.cfg.rl.max_prompt_len} is shorter than nearly every prompt of "
-            f"{self.domains}; raise it (the engine's budget follows: seq_len = max_prompt_len + max_new_tokens)."
+            f"{self.domains}; raise it (seq_len = max_prompt_len + max_new_tokens follows)."
         )
 
     def save(self, step: int, *, force: bool = False) -> None:
