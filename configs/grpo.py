@@ -18,10 +18,17 @@ from configs import small, tiny
 MODELS = {"tiny": tiny, "small": small}
 
 
+VARIANTS = ("test",)  # test: the tiny model on the `debug` domain, small budgets (tests/test_train.py)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     name = arg or "tiny"
+    if name in VARIANTS:
+        return _variant(name)
     if name not in MODELS:
-        raise ValueError(f"configs/grpo.py: unknown argument {name!r}; use one of {sorted(MODELS)}")
+        raise ValueError(
+            f"configs/grpo.py: unknown argument {name!r}; use one of {sorted(MODELS) + list(VARIANTS)}"
+        )
     from rl import grpo  # lazy: `configs` stays importable without pulling in the trainer
 
     cfg = MODELS[name].get_config()
@@ -102,3 +109,23 @@ def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
     ev = rl.eval = ml_collections.ConfigDict()  # held-out evaluation before and after training
     ev.n_tasks = 8 if name == "tiny" else 64  # per domain
     ev.k = 4  # samples per task (pass@1 over all samples, pass@k)
+
+
+def _variant(name: str) -> ml_collections.ConfigDict:
+    cfg = get_config("tiny")
+    rl = cfg.rl
+    if name == "test":
+        # "Reply with: ok": a few SFT steps make the tiny model answer right about 3 times in 4, so groups
+        # carry a reward signal; the domain is deliberately non-deterministic, so no quality gate.
+        rl.domains = ("debug",)
+        rl.quality_gate = False
+        rl.sft.steps, rl.sft.rows = 10, 8
+        rl.steps, rl.checkpoint_every = 4, 2
+        rl.prompts_per_step, rl.group_size = 2, 4
+        rl.max_prompt_len, rl.max_new_tokens = 24, 8
+        rl.env_workers = 1
+        rl.optim.lr, rl.optim.warmup_steps = 3e-3, 1
+        rl.tensorboard = False
+    cfg.batch_size = rl.prompts_per_step * rl.group_size
+    cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
+    return cfg

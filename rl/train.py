@@ -66,6 +66,10 @@ class Run:
         from rl import curriculum, data
 
         self.cfg, self.workdir, rl = cfg, workdir, cfg.rl
+        # Derived sizes follow the rl fields (command-line overrides change those, not these).
+        with cfg.unlocked():
+            cfg.batch_size = rl.prompts_per_step * rl.group_size
+            cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(cfg.to_json_best_effort(indent=2))
@@ -162,6 +166,8 @@ class Run:
         )
 
     def save(self, step: int, *, force: bool = False) -> None:
+        if self.ckpt.latest_step() == step:
+            return
         with self.lock:
             meta = {
                 "step": step,
@@ -360,7 +366,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         after = run.evaluate("after") if run_eval else None
         if before is not None and after is not None:
             print(format_comparison(before, after), flush=True)
-        return {"before": before, "after": after, "steps": step}
+        return {"before": before, "after": after, "steps": step, "engine": run.engine.stats()}
     finally:
         handle.close()
         run.close()
