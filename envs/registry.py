@@ -17,6 +17,8 @@ _DOMAINS: dict[str, str] = {
     "terminal": "envs.domains.terminal_env:TerminalEnvironment",
     "scene3d": "envs.domains.scene3d:Scene3DEnvironment",
     "finance": "envs.domains.finance:FinanceEnvironment",
+    "arith": "envs.domains.arith:ArithEnvironment",  # toy sizes for the CPU demo
+    "strings": "envs.domains.strings:StringsEnvironment",  # toy sizes for the CPU demo
     "debug": "envs.domains.debug:DebugEnvironment",  # sleeps / crashes / errors on request: pool tests
 }
 

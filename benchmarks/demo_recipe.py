@@ -1,0 +1,327 @@
+"""python benchmarks/demo_recipe.py
+
+The `make demo` recipe on a CPU: a toy MoE model learns two toy domains (`arith`, `strings`) by supervised
+warm start on reference solutions, then GRPO with the decoding engine; held-out pass@1 per domain is measured
+after each phase. Prints progress to stderr and one JSON line (config, pass rates, wall time per phase).
+
+Held-out tasks are the prompt-hash eval split (`rl.data.split_of`): no eval prompt is ever trained on.
+The SFT phase is short on purpose: it leaves the model with pass@1 well below its pass@8, the gap that
+GRPO turns into pass@1.
+
+Dimension key: B rows, T token positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The repo root first: benchmarks/envs.py would shadow the `envs` package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import grpo as grpo_config  # noqa: E402
+from envs import registry  # noqa: E402
+from inference import Engine, EngineConfig, SamplingParams  # noqa: E402
+from model.tokenizer import ByteTokenizer  # noqa: E402
+from rl import grpo  # noqa: E402
+from rl import train_step as ts  # noqa: E402
+from rl.data import split_of  # noqa: E402
+
+TOK = ByteTokenizer(256)
+EOS = TOK.eos_id
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[2])
+    p.add_argument("--domains", default="arith:0,1,2;strings:0,1", help="domain:levels;...")
+    p.add_argument("--d_model", type=int, default=128)
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--seq_len", type=int, default=32)
+    p.add_argument("--holdout", type=float, default=0.1)
+    p.add_argument("--sft_steps", type=int, default=300)
+    p.add_argument("--sft_batch", type=int, default=64)
+    p.add_argument("--sft_lr", type=float, default=3e-3)
+    p.add_argument("--sft_eval_every", type=int, default=0, help="0: evaluate only after SFT")
+    p.add_argument("--grpo_steps", type=int, default=60)
+    p.add_argument("--prompts_per_step", type=int, default=16)
+    p.add_argument("--group_size", type=int, default=8)
+    p.add_argument("--grpo_lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max_new_tokens", type=int, default=8)
+    p.add_argument("--eval_n", type=int, default=100, help="held-out tasks per domain")
+    p.add_argument("--eval_every", type=int, default=20, help="GRPO steps between held-out evals (0: end)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# --- Config -------------------------------------------------------------------------------------------------
+
+
+def make_config(args, *, lr: float, total_steps: int):
+    cfg = grpo_config.get_config("tiny")
+    m = cfg.model
+    m.d_model, m.num_layers = args.d_model, args.num_layers
+    m.num_heads, m.num_kv_heads, m.head_dim = 4, 2, args.d_model // 4
+    m.d_ff = 2 * args.d_model
+    m.moe.num_experts, m.moe.top_k = args.experts, 2
+    m.moe.d_ff = m.moe.shared_d_ff = args.d_model
+    o = cfg.rl.optim
+    o.lr, o.warmup_steps, o.total_steps = lr, args.warmup, max(total_steps, args.warmup + 1)
+    cfg.rl.group_size = args.group_size
+    cfg.rl.prompts_per_step = args.prompts_per_step
+    cfg.rl.temperature = args.temperature
+    cfg.seq_len = args.seq_len
+    return cfg
+
+
+# --- Tasks --------------------------------------------------------------------------------------------------
+
+
+class Domain:
+    """One environment's train and held-out task pools (prompt-hash split, disjoint by construction)."""
+
+    def __init__(self, spec: str, holdout: float, seed: int):
+        name, _, levels = spec.partition(":")
+        self.name, self.env = name, registry.make(name)
+        self.levels = [int(x) for x in levels.split(",")] if levels else list(self.env.levels)
+        self.holdout, self.seed = holdout, seed
+        self._draw = 0
+
+    def _tasks(self, split: str, n: int, seed: int):
+        out, batch = [], 0
+        while len(out) < n:  # every level in equal parts
+            for level in self.levels:
+                tasks = self.env.sample_tasks(seed * 1000 + batch, 32, difficulty=level)
+                out += [t for t in tasks if split_of(t, holdout=self.holdout) == split]
+            batch += 1
+        rng = np.random.default_rng(seed)
+        return [out[i] for i in rng.permutation(len(out))[:n]]
+
+    def train(self, n: int):
+        self._draw += 1
+        return self._tasks("train", n, 10_000 + self.seed * 100_000 + self._draw)
+
+    def eval(self, n: int):
+        return self._tasks("eval", n, 1)
+
+
+# --- Batches ------------------------------------------------------------------------------------------------
+
+
+def rows_to_batch(prompts, completions, T: int, *, logps=None, advantages=None):
+    """Right-padded [B, T] batch; mask 1 on completion tokens (aligned with the token)."""
+    B = len(prompts)
+    tokens = np.zeros((B, T), np.int32)
+    mask = np.zeros((B, T), np.float32)
+    blogp = np.zeros((B, T), np.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        seq = (p + c)[:T]
+        tokens[i, : len(seq)] = seq
+        end = min(len(p) + len(c), T)
+        mask[i, len(p) : end] = 1.0
+        if logps is not None:
+            blogp[i, len(p) : end] = logps[i][: end - len(p)]
+    batch = {
+        "tokens_BT": jnp.asarray(tokens),
+        "positions_BT": jnp.asarray(np.tile(np.arange(T, dtype=np.int32), (B, 1))),
+        "mask_BT": jnp.asarray(mask),
+    }
+    if advantages is not None:
+        batch["advantages_B"] = jnp.asarray(advantages, jnp.float32)
+        batch["behaviour_logp_BT"] = jnp.asarray(blogp)
+    return batch
+
+
+def text_of(tokens) -> str:
+    return TOK.decode([t for t in tokens if t != EOS])
+
+
+# --- Evaluation ---------------------------------------------------------------------------------------------
+
+
+def evaluate(engine, domains, eval_sets, *, temperature: float, n: int, max_new: int, seed: int):
+    """Per domain: pass@1 (mean reward over all n samples) and pass@n (any of a task's n samples)."""
+    out = {}
+    for d in domains:
+        tasks = eval_sets[d.name]
+        sp = SamplingParams(
+            temperature=temperature, max_new_tokens=max_new, n=n, seed=seed, stop_tokens=(EOS,)
+        )
+        comps = engine.generate([TOK.encode(t.prompt) for t in tasks], sp)
+        r = np.array([d.env.score(tasks[i // n], text_of(c.tokens)).reward for i, c in enumerate(comps)])
+        r = r.reshape(len(tasks), n)
+        out[d.name] = {"pass@1": float(r.mean()), f"pass@{n}": float(r.max(axis=1).mean())}
+    return out
+
+
+def eval_all(engine, domains, eval_sets, args, tag: str, with_pass8: bool = False):
+    t0 = time.perf_counter()
+    res = {
+        "t1": evaluate(engine, domains, eval_sets, temperature=1.0, n=1, max_new=args.max_new_tokens, seed=7),
+        "greedy": evaluate(
+            engine, domains, eval_sets, temperature=0.0, n=1, max_new=args.max_new_tokens, seed=7
+        ),
+    }
+    if with_pass8:
+        res["t1_n8"] = evaluate(
+            engine, domains, eval_sets, temperature=1.0, n=8, max_new=args.max_new_tokens, seed=8
+        )
+    res["seconds"] = time.perf_counter() - t0
+    summary = " ".join(
+        f"{d.name}: t1 {res['t1'][d.name]['pass@1']:.2f} greedy {res['greedy'][d.name]['pass@1']:.2f}"
+        + (f" pass@8 {res['t1_n8'][d.name]['pass@8']:.2f}" if with_pass8 else "")
+        for d in domains
+    )
+    log(f"eval {tag}: {summary} ({res['seconds']:.1f} s)")
+    return res
+
+
+# --- Main ---------------------------------------------------------------------------------------------------
+
+
+def copy_params(params):
+    return jax.tree.map(jnp.copy, params)  # the train step donates its state: never share buffers with it
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    times = {}
+    domains = [Domain(s, args.holdout, args.seed) for s in args.domains.split(";")]
+    eval_sets = {d.name: d.eval(args.eval_n) for d in domains}
+    T = args.seq_len
+
+    # Set up model, steps and engine (compiles)
+    t0 = time.perf_counter()
+    sft_cfg = make_config(args, lr=args.sft_lr, total_steps=args.sft_steps)
+    model_def, state = ts.init_state(sft_cfg, seed=args.seed)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    sft_step = ts.make_sft_step(sft_cfg, model_def)
+    ecfg = EngineConfig(
+        max_batch=args.prompts_per_step * args.group_size,
+        max_seq_len=32,
+        page_size=16,
+        prefill_chunk=16,
+        prefill_batch=16,
+        min_bucket=16,
+        prefix_cache_pages=0,
+    )
+    engine = Engine(sft_cfg, copy_params(state.params), ecfg)
+    engine.warmup()
+    times["engine_warmup"] = time.perf_counter() - t0
+    log(f"model {n_params} params; engine warmup {times['engine_warmup']:.1f} s")
+
+    # SFT warm start on reference solutions
+    t0 = time.perf_counter()
+    history = []
+    per_domain = args.sft_batch // len(domains)
+    for step in range(args.sft_steps):
+        prompts, comps = [], []
+        for d in domains:
+            for t in d.train(per_domain):
+                prompts.append(TOK.encode(t.prompt))
+                comps.append(TOK.encode(d.env.reference_solution(t)) + [EOS])
+        state, metrics = sft_step(state, rows_to_batch(prompts, comps, T))
+        if step == 0:
+            times["sft_compile"] = time.perf_counter() - t0
+        if (step + 1) % 50 == 0:
+            log(f"sft {step + 1}: loss {float(metrics['cross_entropy']):.3f}")
+        if args.sft_eval_every and (step + 1) % args.sft_eval_every == 0 and step + 1 < args.sft_steps:
+            engine.update_params(copy_params(state.params))
+            history.append(
+                {"sft_step": step + 1, **eval_all(engine, domains, eval_sets, args, f"sft {step + 1}")}
+            )
+    jax.block_until_ready(state.params)
+    times["sft"] = time.perf_counter() - t0
+    engine.update_params(copy_params(state.params))
+    sft_eval = eval_all(
+        engine, domains, eval_sets, args, f"after SFT ({args.sft_steps} steps)", with_pass8=True
+    )
+    times["eval_sft"] = sft_eval["seconds"]
+
+    # GRPO
+    t0 = time.perf_counter()
+    rl_cfg = make_config(args, lr=args.grpo_lr, total_steps=args.grpo_steps)
+    model_def, state = ts.init_state(rl_cfg, seed=args.seed, params=state.params)
+    train_step = ts.make_train_step(rl_cfg, model_def)
+    per_domain = args.prompts_per_step // len(domains)
+    sp_train = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.group_size)
+    t_gen = t_train = t_eval = 0.0
+    for step in range(args.grpo_steps):
+        ta = time.perf_counter()
+        tasks, envs_of = [], []
+        for d in domains:
+            for t in d.train(per_domain):
+                tasks.append(t)
+                envs_of.append(d.env)
+        prompts = [TOK.encode(t.prompt) for t in tasks]
+        comps = engine.generate(prompts, SamplingParams(**sp_train, seed=1000 + step, stop_tokens=(EOS,)))
+        g = args.group_size
+        rewards = np.array(
+            [envs_of[i // g].score(tasks[i // g], text_of(c.tokens)).reward for i, c in enumerate(comps)]
+        )
+        adv = grpo.group_advantages(jnp.asarray(rewards), g, std=rl_cfg.rl.advantage_std)
+        tb = time.perf_counter()
+        batch = rows_to_batch(
+            [prompts[i // g] for i in range(len(comps))],
+            [c.tokens for c in comps],
+            T,
+            logps=[c.logprobs for c in comps],
+            advantages=np.asarray(adv),
+        )
+        state, metrics = train_step(state, batch)
+        engine.update_params(copy_params(state.params))
+        tc = time.perf_counter()
+        t_gen, t_train = t_gen + tb - ta, t_train + tc - tb
+        r_G = rewards.reshape(-1, g)
+        live = float((r_G.std(axis=1) > 0).mean())
+        by_domain = " ".join(
+            f"{d.name} {rewards.reshape(len(domains), -1)[k].mean():.2f}" for k, d in enumerate(domains)
+        )
+        if step % 5 == 0 or step + 1 == args.grpo_steps:
+            log(
+                f"grpo {step}: reward {by_domain} live groups {live:.2f} "
+                f"kl {float(metrics['approx_kl']):.4f} gnorm {float(metrics['grad_norm']):.2f} "
+                f"({tc - ta:.2f} s)"
+            )
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.grpo_steps:
+            te = time.perf_counter()
+            history.append(
+                {"grpo_step": step + 1, **eval_all(engine, domains, eval_sets, args, f"grpo {step + 1}")}
+            )
+            t_eval += time.perf_counter() - te
+    times["grpo"] = time.perf_counter() - t0 - t_eval
+    times["grpo_generate"], times["grpo_train"], times["grpo_midway_evals"] = t_gen, t_train, t_eval
+    final = eval_all(
+        engine, domains, eval_sets, args, f"after GRPO ({args.grpo_steps} steps)", with_pass8=True
+    )
+    times["eval_final"] = final["seconds"]
+    times["total"] = time.perf_counter() - t_start
+    result = {
+        "args": vars(args),
+        "params": n_params,
+        "sft": sft_eval,
+        "grpo": final,
+        "history": history,
+        "seconds": {k: round(v, 1) for k, v in times.items()},
+    }
+    print(json.dumps(result))
+    log(f"total {times['total']:.0f} s: " + json.dumps(result["seconds"]))
+    return result
+
+
+if __name__ == "__main__":
+    main()
