@@ -28,6 +28,7 @@ import threading
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -92,6 +93,10 @@ class Engine:
         _check_params("params", params, abstract_params)
         # Committed placements, so that weights from update_params (placed alike) hit the same executables.
         self.params = _committed(params)
+        self._param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
+        self._copy_params = jax.jit(
+            lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=self._param_shardings
+        )
         self.version = 0
         self.vocab = cfg.model.vocab_size
         if draft is not None and not isinstance(draft, (ModelDrafter, NgramDrafter)):
@@ -241,9 +246,9 @@ class Engine:
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         _check_params("params", params, self.params)
-        with self._lock:
-            shardings = jax.tree.map(lambda a: a.sharding, self.params)
-            self.params = jax.device_put(params, shardings)
+        with self._counting():
+            # A copy: the trainer donates its params to the next step while sampling may still run.
+            self.params = self._copy_params(jax.device_put(params, self._param_shardings))
             self.prefix.clear()
             self.version += 1
             return self.version
@@ -286,6 +291,7 @@ class Engine:
                 while b <= e.score_batch:
                     self.score([[0]] * b, [[0] * max(length - 1, 1)] * b)
                     b *= 2
+            self.params = self._copy_params(self.params)
         jax.block_until_ready(self.kv)
         self._warm_compiles = self._compiles[0]
 
