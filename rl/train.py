@@ -88,7 +88,7 @@ class Run:
         self.lock = threading.Lock()  # streams and scheduler: producer thread vs trainer thread
         self.skipped_long = 0
 
-    def start_model(self):
+    def start_model(self, *, sft_only: bool = False):
         """Train state (restored or fresh + SFT) and the engine over its params."""
         from inference import Engine, EngineConfig
         from model.tokenizer import load_tokenizer
@@ -114,6 +114,8 @@ class Run:
             self.start_step, self.version = meta["step"], meta["version"]
         elif rl.sft.steps:
             self._sft()
+        if sft_only:
+            return
         ecfg = EngineConfig.from_config(dict(rl.engine, max_seq_len=cfg.seq_len))
         self.engine = Engine(cfg, self.state.params, ecfg)
         self.engine.version = self.version
@@ -239,15 +241,29 @@ class Run:
                     )
             return {f"weight/{d}": w for d, w in self.scheduler.weights().items()}
 
+    def _eval_tasks(self, stream) -> list:
+        """The first rl.eval.n_tasks held-out tasks whose prompt fits rl.max_prompt_len (the same tasks
+        before and after training)."""
+        from rl import rollout
+
+        out = []
+        for _ in range(64 * self.cfg.rl.eval.n_tasks):
+            task = stream.next_tasks(1)[0]
+            if (
+                len(rollout.format_prompt(task, self.tokenizer, chat=self.cfg.rl.chat))
+                <= self.cfg.rl.max_prompt_len
+            ):
+                out.append(task)
+                if len(out) == self.cfg.rl.eval.n_tasks:
+                    break
+        return out
+
     def evaluate(self, tag: str) -> dict[str, Any]:
         from inference import SamplingParams
         from rl import data, evaluate
 
         rl = self.cfg.rl
-        tasks = {
-            d: data.DomainTasks(d, seed=rl.seed, split="eval").next_tasks(rl.eval.n_tasks)
-            for d in self.domains
-        }
+        tasks = {d: self._eval_tasks(data.DomainTasks(d, seed=rl.seed, split="eval")) for d in self.domains}
         sampling = SamplingParams(
             temperature=rl.temperature,
             top_k=rl.top_k,
@@ -325,7 +341,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     handle = checkpoint.install_preemption_handler()
     try:
         run._batches = 0
-        run.start_model()
+        run.start_model(sft_only=sft_only)
         run._batches = run.start_step
         if sft_only:
             return {"steps": 0}
