@@ -43,7 +43,6 @@ from train_step import make_train_step
 
 import model
 from configs import base
-from inference import sampling
 from inference.drafters import ModelDrafter, NgramDrafter
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
@@ -80,29 +79,6 @@ def model_config(
     m.rope.theta = 1_000_000.0
     m.moe.num_experts, m.moe.top_k, m.moe.d_ff = experts, top_k, expert_ffn
     return cfg
-
-
-def skip_unused_sort() -> None:
-    """--skip_unused_sort: `sampling.processed_logprobs` argsorts the vocab twice per row on every call, even
-    when no row uses top-k or top-p (55 ms for [16, 8192] on a 2-core CPU, most of a decode step). This
-    patch takes the same computation without the sort when every row has top_k == 0 and top_p == 1 (both
-    masks are then all-true, so the result is identical); it shows what that fix in the engine would give."""
-    full = sampling.processed_logprobs
-
-    def unfiltered(logits_BV, arrays):
-        logits_BV = logits_BV.astype(jnp.float32)
-        greedy_B = arrays.temperature_B == 0.0
-        scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, arrays.temperature_B)[:, None]
-        probs_BV = jax.nn.softmax(scaled_BV, axis=-1)
-        keep_BV = probs_BV >= (arrays.min_p_B * jnp.max(probs_BV, axis=-1))[:, None]
-        processed_BV = jax.nn.log_softmax(jnp.where(keep_BV, scaled_BV, -jnp.inf), axis=-1)
-        return jnp.where(greedy_B[:, None], sampling._greedy_logp(logits_BV), processed_BV)
-
-    def patched(logits_BV, arrays):
-        filtered = jnp.any(arrays.top_k_B > 0) | jnp.any(arrays.top_p_B < 1.0)
-        return jax.lax.cond(filtered, full, unfiltered, logits_BV, arrays)
-
-    sampling.processed_logprobs = patched
 
 
 def emit(line: dict) -> dict:
@@ -594,7 +570,6 @@ def main() -> None:
     p.add_argument("--spec_prompt", type=int, default=32)
     p.add_argument("--spec_new", type=int, default=96)
     p.add_argument("--chi2_samples", type=int, default=512)
-    p.add_argument("--skip_unused_sort", action="store_true", help="patch sampling (see skip_unused_sort)")
     p.add_argument("--peer_archs", default="qwen3,qwen3moe")
     p.add_argument("--peer_repeats", type=int, default=3)
     a = p.parse_args()
@@ -609,10 +584,8 @@ def main() -> None:
         a.cache_new, a.requests, a.max_new, a.train_steps = 32, 16, 64, 30
         a.spec_new, a.chi2_samples, a.peer_repeats, a.repeats = 32, 64, 1, 1
 
-    if a.skip_unused_sort:
-        skip_unused_sort()
     t_start = time.perf_counter()
-    engines, summary = Engines(), {"bench": "decode_summary", "skip_unused_sort": a.skip_unused_sort}
+    engines, summary = Engines(), {"bench": "decode_summary"}
     kwargs = peer_engine_kwargs()
     cfg = model_config(**PEER_DIMS)
     params = nnx.state(model.build(cfg, seed=0), nnx.Param)
