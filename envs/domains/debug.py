@@ -10,17 +10,29 @@
     flaky:<path>     -> crashes the first time (creating the marker file <path>), ok afterwards
 
 Anything else is a `format_error`. Deliberately not deterministic (sleeps, crashes): never train on it.
+
+Slow verifiers, for pipeline benchmarks: a task whose `metadata["delay_s"]` is set makes `score` sleep that
+long before scoring. `DebugEnvironment(delay_median_s=m)` puts a delay in every task it samples, drawn from a
+lognormal with median `m` and p99 = 20 m (`DELAY_SIGMA`), seeded by (seed, index), so the same task always
+carries the same delay. The trainer builds its task streams with `registry.make("debug")` (no arguments),
+so `m` defaults to the environment variable `DEBUG_ENV_DELAY_MEDIAN_S`, read once at construction; only the
+sampling side needs it, as the scoring side reads the delay from the task.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
+import random
 import resource
 import signal
 import time
 
 from envs.base import Score, SingleTurnEnvironment, Task
+
+DELAY_ENV_VAR = "DEBUG_ENV_DELAY_MEDIAN_S"
+DELAY_SIGMA = math.log(20.0) / 2.3263  # lognormal sigma with p99 / median = 20 (2.3263: the normal's z_0.99)
 
 
 def _crash_without_core_dump(sig: int) -> None:
@@ -32,16 +44,30 @@ class DebugEnvironment(SingleTurnEnvironment):
     name = "debug"
     levels = (0,)
 
+    def __init__(self, delay_median_s: float | None = None):
+        if delay_median_s is None:
+            delay_median_s = float(os.environ.get(DELAY_ENV_VAR) or 0.0)
+        if not delay_median_s >= 0:
+            raise ValueError(f"debug: delay_median_s={delay_median_s!r} must be >= 0 ({DELAY_ENV_VAR})")
+        self.delay_median_s = delay_median_s
+
     def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
-        return [
-            Task(id=f"debug-{seed}-{i}", domain=self.name, prompt="Reply with: ok", metadata={"answer": "ok"})
-            for i in range(n)
-        ]
+        tasks = []
+        for i in range(n):
+            metadata: dict = {"answer": "ok"}
+            if self.delay_median_s > 0:
+                rng = random.Random(f"debug-delay-{seed}-{i}")  # str seeds hash the same in every process
+                metadata["delay_s"] = round(rng.lognormvariate(math.log(self.delay_median_s), DELAY_SIGMA), 6)
+            tasks.append(
+                Task(id=f"debug-{seed}-{i}", domain=self.name, prompt="Reply with: ok", metadata=metadata)
+            )
+        return tasks
 
     def reference_solution(self, task: Task) -> str:
         return "ok"
 
     def score(self, task: Task, completion: str) -> Score:
+        time.sleep(float(task.metadata.get("delay_s", 0.0)))  # a slow verifier (see the module docstring)
         command, _, argument = completion.strip().partition(":")
         details = {"task_id": task.id}
         if command == "ok":
