@@ -115,7 +115,7 @@ def _variant(name: str) -> ml_collections.ConfigDict:
     cfg = get_config("tiny")
     rl = cfg.rl
     if name == "test":
-        # "Reply with: ok": a few SFT steps make the tiny model answer right about 3 times in 4, so groups
+        # "Reply with: ok": a few SFT steps make the tiny model answer right most of the time, so some groups
         # carry a reward signal; the domain is deliberately non-deterministic, so no quality gate.
         rl.domains = ("debug",)
         rl.quality_gate = False
