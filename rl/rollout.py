@@ -454,7 +454,9 @@ def collect(
     (after `filter_samples`) are in or `max_attempts` rounds have run. Round a samples with seed
     `sampling.seed + a`. Returns the kept samples (group ids unique across rounds) and the summed filter
     counts plus `rounds`, `groups_requested`, `groups_collected`, `groups_missing` (0 when complete) and
-    `surplus_groups` (valid groups beyond `groups`, from `next_tasks` returning more than asked, dropped)."""
+    `surplus_groups` (valid groups beyond `groups`, from `next_tasks` returning more than asked, dropped),
+    and per domain over every sample drawn, filtered or not: `all_samples/<d>`, `all_reward_sum/<d>`,
+    `all_tokens/<d>`, `all_sandbox_seconds/<d>` (the curriculum's reward and compute)."""
     kept: list[Sample] = []
     counts: Counter[str] = Counter()
     have, next_group = 0, 0
@@ -477,6 +479,16 @@ def collect(
             **rollout_kwargs,
         )
         next_group += len(tasks)
+        for s in samples:  # every sample's reward and compute, kept or not (for the curriculum)
+            d = s.task.domain
+            counts.update(
+                {
+                    f"all_samples/{d}": 1,
+                    f"all_reward_sum/{d}": s.reward,
+                    f"all_tokens/{d}": s.num_generated,
+                    f"all_sandbox_seconds/{d}": s.sandbox_seconds,
+                }
+            )
         good, c = filter_samples(samples, group_size=n, min_group_size=min_group_size, reward_tol=reward_tol)
         counts.update(c)
         room = set(sorted({s.group for s in good})[: groups - have])

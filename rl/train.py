@@ -225,6 +225,15 @@ class Run:
         version = min((min(s.policy_versions, default=self.version) for s in samples), default=self.version)
         metrics = {f"rollout/{k}": float(v) for k, v in {**counts, **stats}.items() if _is_number(v)}
         metrics.update(_domain_metrics(samples))
+        total = sum(counts.get(f"all_samples/{d}", 0) for d in self.domains)
+        if total:
+            metrics["reward"] = sum(counts.get(f"all_reward_sum/{d}", 0.0) for d in self.domains) / total
+        for d in self.domains:  # the curriculum's view: every sample drawn this step, filtered or not
+            n = counts.get(f"all_samples/{d}", 0)
+            if n:
+                metrics[f"reward/{d}"] = counts[f"all_reward_sum/{d}"] / n
+                metrics[f"tokens/{d}"] = float(counts[f"all_tokens/{d}"])
+                metrics[f"sandbox_seconds/{d}"] = float(counts[f"all_sandbox_seconds/{d}"])
         metrics["rollout/skipped_long_prompts"] = float(self.skipped_long)
         return pipeline.RolloutBatch(batch, version, metrics)
 
@@ -300,17 +309,11 @@ def _is_number(v) -> bool:
 
 
 def _domain_metrics(samples) -> dict[str, float]:
-    """reward/<domain>, tokens/<domain> (generated per step), sandbox_seconds/<domain>, ok/<domain>."""
-    out: dict[str, list] = {}
-    for s in samples:
-        d = s.task.domain
-        out.setdefault(d, []).append(s)
-    metrics = {"reward": float(np.mean([s.reward for s in samples]))} if samples else {}
-    for d, group in out.items():
-        metrics[f"reward/{d}"] = float(np.mean([s.reward for s in group]))
-        metrics[f"ok/{d}"] = float(np.mean([s.status == "ok" for s in group]))
-        metrics[f"tokens/{d}"] = float(sum(sum(s.mask) for s in group))
-        metrics[f"sandbox_seconds/{d}"] = float(sum(s.sandbox_seconds for s in group))
+    """Over the kept (trained) samples: kept_reward, kept_ok/<domain>; the per-domain reward and compute
+    the curriculum reads come from every sample drawn (see make_batch)."""
+    metrics = {"kept_reward": float(np.mean([s.reward for s in samples]))} if samples else {}
+    for d in sorted({s.task.domain for s in samples}):
+        metrics[f"kept_ok/{d}"] = float(np.mean([s.status == "ok" for s in samples if s.task.domain == d]))
     return metrics
 
 
