@@ -18,7 +18,9 @@ from configs import small, tiny
 MODELS = {"tiny": tiny, "small": small}
 
 
-VARIANTS = ("test",)  # test: the tiny model on the `debug` domain, small budgets (tests/test_train.py)
+# test: the tiny model on the `debug` domain, small budgets (tests/test_train.py).
+# demo: `make demo`, a ~0.66M-parameter MoE that learns two toy domains on a CPU in minutes.
+VARIANTS = ("test", "demo")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -65,9 +67,35 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     rl.max_prompt_len = 160 if name == "tiny" else 256
     rl.max_new_tokens = 32 if name == "tiny" else 256  # completion tokens sampled per prompt
     _add_loop_config(cfg, name)
+    if name == "demo":
+        _demo(cfg)
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     return cfg
+
+
+def _demo(cfg: ml_collections.ConfigDict) -> None:
+    """The recipe found with benchmarks/demo_recipe.py: `arith` level 2 ("47+8=") and `strings` levels 2-3
+    ("rev kqbdx=", "sort kqbdxa="); a short warm start on a noisy teacher's demonstrations (65% with one
+    character wrong) leaves the model knowing the skill but sampling near misses (pass@1 at temperature 1
+    far below pass@k), the gap GRPO turns into pass@1."""
+    m, rl = cfg.model, cfg.rl
+    m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim = 128, 2, 4, 2, 32
+    m.d_ff = 256
+    m.moe.num_experts, m.moe.top_k, m.moe.d_ff, m.moe.shared_d_ff = 4, 2, 128, 128
+    rl.domains = ("arith", "strings")
+    rl.levels = ml_collections.ConfigDict({"arith": (2,), "strings": (2, 3)})
+    rl.curriculum_floor = 0.25
+    rl.max_prompt_len, rl.max_new_tokens = 16, 8
+    rl.prompts_per_step, rl.group_size = 16, 8
+    rl.steps, rl.checkpoint_every = 300, 50
+    rl.optim.update(lr=3e-4, warmup_steps=30, total_steps=300, b2=0.999)
+    rl.sft.steps, rl.sft.rows, rl.sft.noise = 1500, 64, 0.65
+    rl.sft.weights = ml_collections.ConfigDict({"arith": 48, "strings": 16})
+    rl.sft.optim = ml_collections.ConfigDict({"lr": 3e-3, "warmup_steps": 5, "total_steps": 1500})
+    rl.engine.update(max_batch=128, prefill_chunk=16, prefill_batch=16, min_bucket=16)
+    rl.eval.n_tasks, rl.eval.k = 200, 4
+    rl.tensorboard = False
 
 
 def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
@@ -76,6 +104,7 @@ def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
     rl.seed = 0  # model init, task streams, sampling keys
     rl.steps = 20 if name == "tiny" else 500  # GRPO steps
     rl.domains = ("math",)  # task domains (envs.registry names)
+    rl.levels = ml_collections.ConfigDict()  # domain -> difficulty levels to draw from (default: all)
     rl.curriculum = "adaptive"  # adaptive (reward gain per unit of compute) | static
     rl.static_weights = ml_collections.ConfigDict()  # domain -> weight, for curriculum="static"
     rl.curriculum_floor = 0.1  # exploration floor of every domain's sampling weight
@@ -106,6 +135,9 @@ def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
     sft = rl.sft = ml_collections.ConfigDict()  # warm start on reference solutions (no checkpoint yet)
     sft.steps = 20 if name == "tiny" else 200
     sft.rows = 16
+    sft.noise = 0.0  # fraction of demonstrations with one character wrong (a noisy teacher)
+    sft.weights = ml_collections.ConfigDict()  # domain -> share of SFT rows (default: the curriculum's)
+    sft.optim = ml_collections.ConfigDict()  # overrides of rl.optim for the SFT phase (e.g. lr)
     ev = rl.eval = ml_collections.ConfigDict()  # held-out evaluation before and after training
     ev.n_tasks = 8 if name == "tiny" else 64  # per domain
     ev.k = 4  # samples per task (pass@1 over all samples, pass@k)
@@ -126,6 +158,32 @@ def _variant(name: str) -> ml_collections.ConfigDict:
         rl.env_workers = 1
         rl.optim.lr, rl.optim.warmup_steps = 3e-3, 1
         rl.tensorboard = False
+    if name == "demo":
+        _demo(cfg)
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     return cfg
+
+
+def _demo(cfg: ml_collections.ConfigDict) -> None:
+    """The recipe found with benchmarks/demo_recipe.py: `arith` level 2 ("47+8=") and `strings` levels 2-3
+    ("rev kqbdx=", "sort kqbdxa="); a short warm start on a noisy teacher's demonstrations (65% with one
+    character wrong) leaves the model knowing the skill but sampling near misses (pass@1 at temperature 1
+    far below pass@k), the gap GRPO turns into pass@1."""
+    m, rl = cfg.model, cfg.rl
+    m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim = 128, 2, 4, 2, 32
+    m.d_ff = 256
+    m.moe.num_experts, m.moe.top_k, m.moe.d_ff, m.moe.shared_d_ff = 4, 2, 128, 128
+    rl.domains = ("arith", "strings")
+    rl.levels = ml_collections.ConfigDict({"arith": (2,), "strings": (2, 3)})
+    rl.curriculum_floor = 0.25
+    rl.max_prompt_len, rl.max_new_tokens = 16, 8
+    rl.prompts_per_step, rl.group_size = 16, 8
+    rl.steps, rl.checkpoint_every = 300, 50
+    rl.optim.update(lr=3e-4, warmup_steps=30, total_steps=300, b2=0.999)
+    rl.sft.steps, rl.sft.rows, rl.sft.noise = 1500, 64, 0.65
+    rl.sft.weights = ml_collections.ConfigDict({"arith": 48, "strings": 16})
+    rl.sft.optim = ml_collections.ConfigDict({"lr": 3e-3, "warmup_steps": 5, "total_steps": 1500})
+    rl.engine.update(max_batch=128, prefill_chunk=16, prefill_batch=16, min_bucket=16)
+    rl.eval.n_tasks, rl.eval.k = 200, 4
+    rl.tensorboard = False

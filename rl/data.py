@@ -66,6 +66,7 @@ class DomainTasks:
         split: Split = "train",
         env: Environment | None = None,
         difficulty: int | None = None,
+        levels: tuple[int, ...] | None = None,
         num_records: int = 1_000_000,
         num_epochs: int | None = None,
         holdout: float = 0.125,
@@ -81,7 +82,11 @@ class DomainTasks:
         self._owns_env = env is None
         if difficulty is not None and difficulty not in self.env.levels:
             raise ValueError(f"{domain}: difficulty={difficulty} not in levels {self.env.levels}")
+        bad = [lv for lv in levels or () if lv not in self.env.levels]
+        if bad or (levels is not None and not levels):
+            raise ValueError(f"{domain}: levels={levels} must be a non-empty subset of {self.env.levels}")
         self.difficulty = difficulty
+        self.levels = tuple(levels) if levels else tuple(self.env.levels)
         self.dataset = (
             grain.MapDataset.range(num_records)
             .shuffle(seed=_hash64("shuffle", domain, split, self.seed) % 2**32)
@@ -95,7 +100,7 @@ class DomainTasks:
     def task_at(self, index: int) -> Task:
         """Record `index`: the first attempt whose task falls in this stream's split."""
         record = ("record", self.domain, self.split, self.seed, int(index))
-        levels = self.env.levels
+        levels = self.levels
         # The level is the record's, not the attempt's: redraws must not skew the mix of levels.
         level = self.difficulty if self.difficulty is not None else levels[_hash64(*record) % len(levels)]
         for attempt in range(MAX_ATTEMPTS):

@@ -20,12 +20,28 @@ import numpy as np
 from envs import Task, registry
 
 
-def sft_example(task: Task, env, tokenizer, *, chat: bool) -> tuple[list[int], list[int]]:
-    """(tokens, mask): prompt + reference solution + eos; mask 1 on the solution and eos tokens."""
+def corrupt(text: str, rng: np.random.Generator) -> str:
+    """`text` with one digit or lowercase letter replaced by another of its kind (a noisy teacher's miss)."""
+    spots = [i for i, c in enumerate(text) if c.isdigit() or ("a" <= c <= "z")]
+    if not spots:
+        return text
+    i = spots[rng.integers(len(spots))]
+    pool = "0123456789" if text[i].isdigit() else "abcdefghijklmnopqrstuvwxyz"
+    return text[:i] + rng.choice([c for c in pool if c != text[i]]) + text[i + 1 :]
+
+
+def sft_example(
+    task: Task, env, tokenizer, *, chat: bool, noise: float = 0.0, rng: np.random.Generator | None = None
+) -> tuple[list[int], list[int]]:
+    """(tokens, mask): prompt + reference solution + eos; mask 1 on the solution and eos tokens. With
+    `noise` > 0 that fraction of solutions has one character wrong (`corrupt`): a noisy teacher."""
     from rl import rollout
 
     prompt = rollout.format_prompt(task, tokenizer, chat=chat)
-    solution = tokenizer.encode(env.reference_solution(task)) + [tokenizer.eos_id]
+    text = env.reference_solution(task)
+    if noise and rng.random() < noise:
+        text = corrupt(text, rng)
+    solution = tokenizer.encode(text) + [tokenizer.eos_id]
     return prompt + solution, [0] * len(prompt) + [1] * len(solution)
 
 
@@ -56,18 +72,21 @@ def run_sft(
     length: int,
     log: Callable[[int, dict], None] | None = None,
     chat: bool = False,
+    noise: float = 0.0,
+    seed: int = 0,
 ):
     """`steps` SFT updates on fresh tasks each step; returns the new state."""
     from rl import train_step
 
     step_fn = train_step.make_sft_step(cfg, model_def)
     envs_by_domain: dict[str, object] = {}
+    rng = np.random.default_rng(seed)
     for i in range(steps):
         tasks = next_tasks(rows)
         examples = []
         for task in tasks:
             env = envs_by_domain.setdefault(task.domain, registry.make(task.domain))
-            examples.append(sft_example(task, env, tokenizer, chat=chat))
+            examples.append(sft_example(task, env, tokenizer, chat=chat, noise=noise, rng=rng))
         t0 = time.perf_counter()
         state, metrics = step_fn(state, sft_batch(examples, rows, length))
         if log is not None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import ml_collections
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -80,7 +81,7 @@ class Run:
             domains = curriculum.admit_domains(domains, gate=lambda d: qa.run_checks(d, n=rl.quality_gate_n))
         self.domains = domains
         self.pool = envs.EnvPool(rl.env_workers, domains=domains, timeout_s=rl.env_timeout_s)
-        self.streams = data.TaskMixer({d: data.DomainTasks(d, seed=rl.seed, split="train") for d in domains})
+        self.streams = data.TaskMixer({d: self._stream(d, "train") for d in domains})
         kwargs = {"static_weights": dict(rl.static_weights) or None} if rl.curriculum == "static" else {}
         self.scheduler = curriculum.DomainScheduler(
             domains, mode=rl.curriculum, floor=rl.curriculum_floor, seed=rl.seed, **kwargs
@@ -127,13 +128,22 @@ class Run:
         rl = self.cfg.rl
         t0 = time.perf_counter()
 
-        def next_tasks(n):
-            return self.fitting_tasks(n)
+        from rl import train_step
 
-        self.state = sft.run_sft(
-            self.cfg,
-            self.model_def,
-            self.state,
+        weights = {d: float(w) for d, w in rl.sft.weights.items()} or None
+
+        def next_tasks(n):
+            return self.fitting_tasks(n, weights)
+
+        # SFT has its own optimizer settings (rl.sft.optim overrides rl.optim); GRPO then starts from the
+        # SFT parameters with a fresh optimizer state.
+        sft_cfg = ml_collections.ConfigDict(self.cfg.to_dict())
+        sft_cfg.rl.optim.update(dict(rl.sft.optim))
+        sft_def, sft_state = train_step.init_state(sft_cfg, seed=rl.seed, params=self.state.params)
+        sft_state = sft.run_sft(
+            sft_cfg,
+            sft_def,
+            sft_state,
             next_tasks,
             self.tokenizer,
             steps=rl.sft.steps,
@@ -141,18 +151,31 @@ class Run:
             length=self.cfg.seq_len,
             log=self.logger.log,
             chat=rl.chat,
+            noise=rl.sft.noise,
+            seed=rl.seed,
         )
+        self.model_def, self.state = train_step.init_state(self.cfg, seed=rl.seed, params=sft_state.params)
         self.logger.log(0, {"sft/seconds": time.perf_counter() - t0})
         self.save(0, force=True)
 
-    def fitting_tasks(self, n: int) -> list:
+    def _stream(self, domain: str, split: str):
+        from rl import data
+
+        levels = self.cfg.rl.levels.get(domain)
+        return data.DomainTasks(
+            domain, seed=self.cfg.rl.seed, split=split, levels=tuple(levels) if levels else None
+        )
+
+    def fitting_tasks(self, n: int, weights: dict[str, float] | None = None) -> list:
         """n tasks split over the domains by the curriculum, skipping (and counting) tasks whose prompt is
         longer than rl.max_prompt_len tokens."""
         from rl import rollout
 
         out = []
         for _ in range(64):
-            for task in self.streams.next_tasks(self.scheduler.allocate(n - len(out))):
+            want = n - len(out)
+            allocation = _split(want, weights) if weights else self.scheduler.allocate(want)
+            for task in self.streams.next_tasks(allocation):
                 if (
                     len(rollout.format_prompt(task, self.tokenizer, chat=self.cfg.rl.chat))
                     <= self.cfg.rl.max_prompt_len
@@ -269,10 +292,10 @@ class Run:
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         from inference import SamplingParams
-        from rl import data, evaluate
+        from rl import evaluate
 
         rl = self.cfg.rl
-        tasks = {d: self._eval_tasks(data.DomainTasks(d, seed=rl.seed, split="eval")) for d in self.domains}
+        tasks = {d: self._eval_tasks(self._stream(d, "eval")) for d in self.domains}
         sampling = SamplingParams(
             temperature=rl.temperature,
             top_k=rl.top_k,
@@ -302,6 +325,16 @@ class Run:
             if part is not None:
                 part.close()
         self.pool.close()
+
+
+def _split(n: int, weights: dict[str, float]) -> dict[str, int]:
+    """n split by weights, largest remainders first (sums to n)."""
+    total = sum(weights.values())
+    exact = {d: n * w / total for d, w in weights.items()}
+    out = {d: int(x) for d, x in exact.items()}
+    for d in sorted(exact, key=lambda d: exact[d] - out[d], reverse=True)[: n - sum(out.values())]:
+        out[d] += 1
+    return out
 
 
 def _is_number(v) -> bool:
