@@ -124,8 +124,9 @@ class MetricsLogger:
     def tensorboard(self) -> bool:
         return self._writer is not None
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Writes one record for `step`; returns it (non-finite values as None)."""
+    def log(self, step: int, metrics: Mapping[str, Any], *, progress: bool = True) -> dict[str, Any]:
+        """Writes one record for `step`; returns it (non-finite values as None). `progress=False` keeps it
+        out of the progress line (e.g. warm-start records, whose steps are not the run's)."""
         step = int(step)
         record: dict[str, Any] = {"step": step, "time": time.time()}
         for key, value in metrics.items():
@@ -142,7 +143,8 @@ class MetricsLogger:
             for key, v in record.items():
                 if key not in ("step", "time") and v is not None:
                     self._writer.add_scalar(key, v, step)
-        self._progress(step, record)
+        if progress:
+            self._progress(step, record)
         return record
 
     def _progress(self, step: int, record: Mapping[str, Any]) -> None:

@@ -149,7 +149,7 @@ class Run:
             steps=rl.sft.steps,
             rows=rl.sft.rows,
             length=self.cfg.seq_len,
-            log=self.logger.log,
+            log=self._log_sft,
             chat=rl.chat,
             noise=rl.sft.noise,
             seed=rl.seed,
@@ -189,6 +189,14 @@ class Run:
             f"rl.max_prompt_len={self.cfg.rl.max_prompt_len} is shorter than nearly every prompt of "
             f"{self.domains}; raise it (seq_len = max_prompt_len + max_new_tokens follows)."
         )
+
+    def _log_sft(self, i: int, metrics: dict) -> None:
+        self.logger.log(i, metrics, progress=False)
+        if (i + 1) % 100 == 0 or i + 1 == self.cfg.rl.sft.steps:
+            loss = metrics.get("sft/cross_entropy", float("nan"))
+            print(
+                f"sft {i + 1}/{self.cfg.rl.sft.steps} | cross-entropy {loss:.4f}", file=sys.stderr, flush=True
+            )
 
     def save(self, step: int, *, force: bool = False) -> None:
         if self.ckpt.latest_step() == step:
