@@ -20,8 +20,9 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 	$(PIP) install -q -e '.[test,hf,parity]'
 	touch $@ $(VENV)/.installed
 
+# The main job on the demo config (SFT warm start, GRPO, held-out before/after table), in a fresh run dir.
 demo: $(VENV)/.installed
-	$(PY) -m model.demo --config=configs/tiny.py
+	$(PY) -m rl.train --config=configs/grpo.py:demo --workdir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .
