@@ -216,23 +216,23 @@ def paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache: dict) -> tuple[jax.Arra
     idx = (rows_K[:, None, None], page_BT[None], slot_BT[None])
     k_all = k_all.at[idx].set(jnp.moveaxis(k_BTKH, 2, 0).astype(k_all.dtype))
     v_all = v_all.at[idx].set(jnp.moveaxis(v_BTKH, 2, 0).astype(v_all.dtype))
-    k_KPLH = jax.lax.dynamic_slice_in_dim(k_all, cache["layer"] * kv, kv)
-    v_KPLH = jax.lax.dynamic_slice_in_dim(v_all, cache["layer"] * kv, kv)
     lengths_B = start_B + num_new_B
     if t == 1:
-        o_BNH = paged_attention.paged_attention(q_BTNH[:, 0], k_KPLH, v_KPLH, lengths_B, table_BM)
+        o_BNH = paged_attention.paged_attention(
+            q_BTNH[:, 0], k_all, v_all, lengths_B, table_BM, kv_offset=rows_K[0], num_kv_heads=kv
+        )
         o_BTNH = o_BNH[:, None]
     else:
         m = table_BM.shape[1]
 
-        def rows(pages_KPLH):  # [K, B, M, Lp, H] -> [B, M * Lp, K, H]
-            return jnp.moveaxis(pages_KPLH[:, table_BM], 0, 3).reshape(b, m * page, kv, h)
+        def rows(pages):  # this layer's pages of each row, gathered straight from the pool: [B, M * Lp, K, H]
+            return jnp.moveaxis(paged_attention.gather_pages(pages, table_BM, rows_K), 0, 3).reshape(
+                b, m * page, kv, h
+            )
 
         key_pos_S = jnp.arange(m * page, dtype=jnp.int32)
         mask_BTS = key_pos_S[None, None, :] <= pos_BT[:, :, None]
-        o_BTNH = _attend(
-            q_BTNH, rows(k_KPLH).astype(q_BTNH.dtype), rows(v_KPLH).astype(q_BTNH.dtype), mask_BTS
-        )
+        o_BTNH = _attend(q_BTNH, rows(k_all).astype(q_BTNH.dtype), rows(v_all).astype(q_BTNH.dtype), mask_BTS)
     return o_BTNH, dict(cache, k=k_all, v=v_all)
 
 

@@ -73,7 +73,7 @@ def paged_attention_reference(q_BNH, k_pages_KPLH, v_pages_KPLH, lengths_B, page
     return o_B1NH[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "impl", "interpret", "num_kv_heads"))
 def paged_attention(
     q_BNH,
     k_pages_KPLH,
@@ -85,13 +85,21 @@ def paged_attention(
     pages_per_block: int = 8,
     impl: str | None = None,
     interpret: bool | None = None,
+    kv_offset=None,
+    num_kv_heads: int | None = None,
 ):
     """o_BNH (q's dtype) for one query token per sequence over its `lengths_B` tokens in the page pool.
 
     `pages_per_block` larger than M is clipped to M. `impl=None` is "pallas" on TPU and "xla" elsewhere;
     `interpret=None` interprets the Pallas kernel on CPU. Jittable: lengths and page table are traced.
+
+    `kv_offset` (traced) and `num_kv_heads` (static) read the kv heads `kv_offset .. kv_offset + K - 1` of a
+    pool that stacks several layers' heads (a model's cache, `[layers * K, P, L, H]`): the "xla" path gathers
+    those rows directly, without first copying the layer out of the pool; the Pallas paths slice it.
     """
-    _check_args(q_BNH, k_pages_KPLH, v_pages_KPLH, lengths_B, page_table_BM)
+    if (kv_offset is None) != (num_kv_heads is None):
+        raise ValueError("kv_offset and num_kv_heads go together (both or neither)")
+    _check_args(q_BNH, k_pages_KPLH, v_pages_KPLH, lengths_B, page_table_BM, num_kv_heads)
     if not isinstance(pages_per_block, int) or pages_per_block < 1:
         raise ValueError(f"pages_per_block: {pages_per_block!r}, expected a positive int")
     if impl is not None and impl not in IMPLS:
@@ -102,7 +110,15 @@ def paged_attention(
         impl = "pallas_gather" if backend == "gpu" else "pallas_prefetch"
     interpret = backend == "cpu" if interpret is None else interpret
     b, n, h = q_BNH.shape
-    kv, pool, page, _ = k_pages_KPLH.shape
+    _, pool, page, _ = k_pages_KPLH.shape
+    kv = num_kv_heads or k_pages_KPLH.shape[0]
+    rows_K = (
+        None if kv_offset is None else jnp.asarray(kv_offset, jnp.int32) + jnp.arange(kv, dtype=jnp.int32)
+    )
+    if rows_K is not None and impl != "xla":
+        k_pages_KPLH = lax.dynamic_slice_in_dim(k_pages_KPLH, rows_K[0], kv)
+        v_pages_KPLH = lax.dynamic_slice_in_dim(v_pages_KPLH, rows_K[0], kv)
+        rows_K = None
     m = page_table_BM.shape[1]
     c = min(pages_per_block, m)
     j = -(-m // c)
@@ -113,7 +129,7 @@ def paged_attention(
     table_BJC = table_BJC.reshape(b, j, c)
     q_BKGH = q_BNH.reshape(b, kv, n // kv, h)
     if impl == "xla":
-        o_BKGH, _ = _xla_attention(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BJC, scale)
+        o_BKGH, _ = _xla_attention(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BJC, scale, rows_K)
     else:
         kernel = _pallas_prefetch_partials if impl == "pallas_prefetch" else _pallas_gather_partials
         partials = kernel(
@@ -142,7 +158,7 @@ def _finish(max_s, denom, acc):
     return acc / safe_denom, jnp.where(has_keys, max_s + jnp.log(safe_denom), MASK_VALUE)
 
 
-def _xla_attention(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BJC, scale):
+def _xla_attention(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BJC, scale, rows_K=None):
     """(o_BKGH, lse_BKG): a loop over the blocks that hold tokens, folding each partial into the running
     one with `reference.merge_partials`. One block's pages at a time stay in cache; later blocks are
     skipped, since the trip count is the longest sequence's block count (traced, so no retrace)."""
@@ -153,7 +169,7 @@ def _xla_attention(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BJC, sca
     def body(ji, carry):
         table_BC = lax.dynamic_index_in_dim(table_BJC, ji, axis=1, keepdims=False)
         o_BKGH, lse_BKG = _xla_block(
-            q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B - ji * tokens, table_BC, scale
+            q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B - ji * tokens, table_BC, scale, rows_K
         )
         return reference.merge_partials(*carry, o_BKGH, lse_BKG)
 
@@ -161,11 +177,11 @@ def _xla_attention(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BJC, sca
     return lax.fori_loop(0, (jnp.max(lengths_B) + tokens - 1) // tokens, body, init)
 
 
-def _xla_block(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BC, scale):
+def _xla_block(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BC, scale, rows_K=None):
     """(o_BKGH, lse_BKG) over the pages of table_BC; lengths_B counts tokens from the block's start."""
     c, page = table_BC.shape[1], k_pages_KPLH.shape[2]
-    k_KBCLH = _gather_pages(k_pages_KPLH, table_BC)
-    v_KBCLH = _gather_pages(v_pages_KPLH, table_BC)
+    k_KBCLH = gather_pages(k_pages_KPLH, table_BC, rows_K)
+    v_KBCLH = gather_pages(v_pages_KPLH, table_BC, rows_K)
     pos_CL = jnp.arange(c * page, dtype=jnp.int32).reshape(c, page)
     ok_BCL = pos_CL[None] < lengths_B[:, None, None]
     s_BKGCL = jnp.einsum("bkgh,kbclh->bkgcl", q_BKGH.astype(jnp.float32), k_KBCLH.astype(jnp.float32))
@@ -179,13 +195,18 @@ def _xla_block(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BC, scale):
     return o_BKGH, lse_BKG1[..., 0]
 
 
-def _gather_pages(pages_KPLH, table_BC):
-    """pages_KPLH[:, table_BC] as [K, B, C, L, H]. XLA:CPU gathers bf16 about 3x slower than uint16, so
-    2-byte pages are gathered through a same-width bitcast (free)."""
+def gather_pages(pages_KPLH, table_BC, rows_K=None):
+    """pages_KPLH[:, table_BC] as [K, B, C, L, H] (or pages[rows_K][:, table_BC] in one gather, when the
+    pool stacks more heads than one layer's). XLA:CPU gathers bf16 about 3x slower than uint16, so 2-byte
+    pages are gathered through a same-width bitcast (free)."""
+
+    def take(x):
+        return x[:, table_BC] if rows_K is None else x[rows_K[:, None, None], table_BC[None]]
+
     if pages_KPLH.dtype.itemsize != 2:
-        return pages_KPLH[:, table_BC]
+        return take(pages_KPLH)
     bits_KPLH = lax.bitcast_convert_type(pages_KPLH, jnp.uint16)
-    return lax.bitcast_convert_type(bits_KPLH[:, table_BC], pages_KPLH.dtype)
+    return lax.bitcast_convert_type(take(bits_KPLH), pages_KPLH.dtype)
 
 
 def _page_step(q_GH, k_LH, v_LH, start, length, carry, scale):
@@ -338,7 +359,7 @@ def _pallas_gather_partials(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table
     return o_BKJGH, lse_BKJG1[..., 0]
 
 
-def _check_args(q_BNH, k_pages_KPLH, v_pages_KPLH, lengths_B, page_table_BM):
+def _check_args(q_BNH, k_pages_KPLH, v_pages_KPLH, lengths_B, page_table_BM, num_kv_heads=None):
     if q_BNH.ndim != 3:
         raise ValueError(f"q_BNH: shape {q_BNH.shape}, expected [B, N, H] (one decode token per sequence)")
     if k_pages_KPLH.ndim != 4 or v_pages_KPLH.shape != k_pages_KPLH.shape:
@@ -346,7 +367,9 @@ def _check_args(q_BNH, k_pages_KPLH, v_pages_KPLH, lengths_B, page_table_BM):
             f"k_pages {k_pages_KPLH.shape}, v_pages {v_pages_KPLH.shape}: expected the same [K, P, L, H]"
         )
     b, n, h = q_BNH.shape
-    kv = k_pages_KPLH.shape[0]
+    kv = num_kv_heads or k_pages_KPLH.shape[0]
+    if k_pages_KPLH.shape[0] < kv:
+        raise ValueError(f"k_pages: {k_pages_KPLH.shape[0]} kv-head rows, fewer than num_kv_heads={kv}")
     if k_pages_KPLH.shape[3] != h:
         raise ValueError(f"k_pages: head dim {k_pages_KPLH.shape[3]}, q has {h}; they must match")
     if n % kv:

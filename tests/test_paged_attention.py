@@ -186,3 +186,21 @@ def test_bad_arguments_name_the_fix(change, match):
             pages_per_block=a["pages_per_block"],
             impl=a["impl"],
         )
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gather"])
+def test_kv_offset_reads_one_layer_of_a_stacked_pool(impl):
+    """A model's cache stacks every layer's kv heads ([layers * K, P, L, H]); kv_offset picks layer 1's
+    rows. The result equals the call on that layer alone, and other layers' garbage never leaks in."""
+    (q, k, v, lengths, table), _ = _case([5, 1, 16, 11], n=4, kv=2, dtype=jnp.float32, seed=3)
+    noise = jnp.full_like(k, jnp.nan)
+    k3, v3 = jnp.concatenate([noise, k, noise]), jnp.concatenate([noise, v, noise])
+    want = pa.paged_attention(q, k, v, lengths, table, impl=impl)
+    got = jax.jit(
+        lambda offset: pa.paged_attention(
+            q, k3, v3, lengths, table, impl=impl, kv_offset=offset, num_kv_heads=2
+        )
+    )(jnp.int32(2))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="kv_offset and num_kv_heads go together"):
+        pa.paged_attention(q, k3, v3, lengths, table, kv_offset=2)
