@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -138,6 +139,8 @@ class Checkpointer:
         self.save_every, self.mesh = save_every, mesh
         self.config = None if model_config is None else config_summary(model_config)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save)
+        # Orbax wants an absolute path (a relative one fails at the first save).
+        directory = os.path.abspath(os.fspath(directory))
         self._manager = ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
 
     @property

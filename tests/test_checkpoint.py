@@ -276,3 +276,16 @@ def test_preemption_handler_flag_callback_and_restore():
 def test_summary_is_json():
     summary = checkpoint.config_summary(grpo.get_config("tiny").model)
     assert summary["moe.top_k"] == 2 and json.loads(json.dumps(summary)) == summary
+
+
+def test_relative_directory_works(tmp_path, monkeypatch):
+    """`make demo` passes a relative --workdir; orbax itself rejects relative paths at the first save."""
+    import jax.numpy as jnp
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = Checkpointer("runs/x/checkpoints", save_every=1, async_save=False)
+    state = {"w": jnp.arange(3.0)}
+    assert ckpt.save(1, state, {"step": 1}, force=True)
+    restored, meta = ckpt.restore(target_state=state)
+    assert meta["step"] == 1 and (tmp_path / "runs/x/checkpoints/1").exists()
+    ckpt.close()
