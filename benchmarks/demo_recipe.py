@@ -41,6 +41,7 @@ from model.tokenizer import ByteTokenizer  # noqa: E402
 from rl import grpo  # noqa: E402
 from rl import train_step as ts  # noqa: E402
 from rl.data import split_of  # noqa: E402
+from rl.sft import corrupt  # noqa: E402
 
 TOK = ByteTokenizer(256)
 EOS = TOK.eos_id
@@ -169,16 +170,6 @@ def rows_to_batch(prompts, completions, T: int, *, logps=None, advantages=None):
         batch["advantages_B"] = jnp.asarray(advantages, jnp.float32)
         batch["behaviour_logp_BT"] = jnp.asarray(blogp)
     return batch
-
-
-def corrupt(text: str, rng: np.random.Generator) -> str:
-    """`text` with one digit or letter replaced by another of its kind: a noisy teacher's near miss."""
-    spots = [i for i, c in enumerate(text) if c.isdigit() or c.islower()]
-    if not spots:
-        return text
-    i = spots[rng.integers(len(spots))]
-    pool = "0123456789" if text[i].isdigit() else "abcdefghijklmnopqrstuvwxyz"
-    return text[:i] + rng.choice([c for c in pool if c != text[i]]) + text[i + 1 :]
 
 
 def text_of(tokens) -> str:

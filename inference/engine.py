@@ -36,7 +36,7 @@ import model as model_lib
 from inference import kv_pages, steps
 from inference.drafters import ModelDrafter, NgramDrafter, _check_params
 from inference.engine_config import Completion, EngineConfig
-from inference.sampling import SamplingArrays, SamplingParams
+from inference.sampling import SamplingParams, sampling_arrays
 
 _NO_RELOAD = kv_pages.HostReload([], None, None)
 
@@ -115,7 +115,8 @@ class Engine:
         self.table = kv_pages.SequenceTable(self.pool, e.pages_per_seq)
         self.prefix = kv_pages.PrefixCache(self.pool, e.page_size, e.prefix_pages, e.host_cache_pages)
         dtype = e.cache_dtype or cfg.model.compute_dtype
-        self.kv = _committed(self._abstract_model().init_paged_cache(e.pool_pages, e.page_size, dtype))
+        model = nnx.merge(self._graphdef, self.params)
+        self.kv = _committed(model.init_paged_cache(e.pool_pages, e.page_size, dtype))
         self.draft_kv = None
         if isinstance(draft, ModelDrafter):
             draft_model = nnx.merge(draft.graphdef, draft.params)
@@ -216,9 +217,7 @@ class Engine:
         model code): under `sampling`'s processing when given, else the raw softmax."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
-        params = (
-            [sampling or SamplingParams()] * len(prompts) if not isinstance(sampling, Sequence) else sampling
-        )
+        params = self._submitted_params(prompts, sampling)
         rows = []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             toks = list(c.tokens if isinstance(c, Completion) else c)
@@ -233,7 +232,9 @@ class Engine:
                 tokens = np.zeros((b, t), np.int32)
                 for r, (_, p, c) in enumerate(chunk):
                     tokens[r, : len(p) + len(c)] = p + c
-                arrays = _arrays([params[i] for i, _, _ in chunk] + [SamplingParams()] * (b - len(chunk)))
+                arrays = sampling_arrays(
+                    [params[i] for i, _, _ in chunk] + [SamplingParams()] * (b - len(chunk))
+                )
                 processed, raw = jax.device_get(self._score(self.params, tokens, arrays))
                 chosen = processed if sampling is not None else raw
                 for r, (i, p, c) in enumerate(chunk):
@@ -269,7 +270,7 @@ class Engine:
                 t *= 2
             self._apply_copies([])
             rows = e.max_batch
-            arrays = _arrays([SamplingParams()] * rows)
+            arrays = sampling_arrays([SamplingParams()] * rows)
             keys = tuple(zeros(rows) for _ in range(4))
             table = zeros(rows, e.pages_per_seq)
             dummy = steps.Rows(zeros(rows), table, zeros(rows), zeros(rows), arrays, keys)
@@ -478,7 +479,7 @@ class Engine:
                 len(seq.tokens),
             )
             params[b] = seq.params
-        return steps.Rows(tokens, table, start, act, _arrays(params), (seed, req, sample, stepi))
+        return steps.Rows(tokens, table, start, act, sampling_arrays(params), (seed, req, sample, stepi))
 
     def _decode_step(self, active) -> list[Completion]:
         active = self._grow(active, 1)
@@ -546,9 +547,6 @@ class Engine:
         )
 
     # --- device calls ----------------------------------------------------------------------------------
-
-    def _abstract_model(self):
-        return nnx.merge(self._graphdef, self.params)
 
     def _build_steps(self) -> None:
         """The jitted steps, shared by every engine over the same model graph and sizes (no re-tracing
@@ -635,12 +633,3 @@ def _committed(tree):
     """Commits arrays to their current placement: jit caches executables per committed-ness, so arrays
     that later come back from jitted steps (committed) must start out committed too."""
     return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, tree))
-
-
-def _arrays(params: Sequence[SamplingParams]) -> SamplingArrays:
-    return SamplingArrays(
-        temperature_B=np.asarray([p.temperature for p in params], np.float32),
-        top_k_B=np.asarray([p.top_k for p in params], np.int32),
-        top_p_B=np.asarray([p.top_p for p in params], np.float32),
-        min_p_B=np.asarray([p.min_p for p in params], np.float32),
-    )

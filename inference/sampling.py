@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +70,13 @@ class SamplingArrays(NamedTuple):
 
 
 def sampling_arrays(params: Sequence[SamplingParams]) -> SamplingArrays:
-    """One row per entry of `params` (repeat a request's params for each of its rows)."""
+    """One row per entry of `params` (repeat a request's params for each of its rows). Host (numpy)
+    arrays: a jitted caller transfers them with its other inputs, so building them costs no dispatch."""
     return SamplingArrays(
-        temperature_B=jnp.asarray([p.temperature for p in params], jnp.float32),
-        top_k_B=jnp.asarray([p.top_k for p in params], jnp.int32),
-        top_p_B=jnp.asarray([p.top_p for p in params], jnp.float32),
-        min_p_B=jnp.asarray([p.min_p for p in params], jnp.float32),
+        temperature_B=np.asarray([p.temperature for p in params], np.float32),
+        top_k_B=np.asarray([p.top_k for p in params], np.int32),
+        top_p_B=np.asarray([p.top_p for p in params], np.float32),
+        min_p_B=np.asarray([p.min_p for p in params], np.float32),
     )
 
 

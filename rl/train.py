@@ -166,20 +166,21 @@ class Run:
             domain, seed=self.cfg.rl.seed, split=split, levels=tuple(levels) if levels else None
         )
 
+    def _fits(self, task) -> bool:
+        from rl import rollout
+
+        prompt = rollout.format_prompt(task, self.tokenizer, chat=self.cfg.rl.chat)
+        return len(prompt) <= self.cfg.rl.max_prompt_len
+
     def fitting_tasks(self, n: int, weights: dict[str, float] | None = None) -> list:
         """n tasks split over the domains by the curriculum, skipping (and counting) tasks whose prompt is
         longer than rl.max_prompt_len tokens."""
-        from rl import rollout
-
         out = []
         for _ in range(64):
             want = n - len(out)
             allocation = _split(want, weights) if weights else self.scheduler.allocate(want)
             for task in self.streams.next_tasks(allocation):
-                if (
-                    len(rollout.format_prompt(task, self.tokenizer, chat=self.cfg.rl.chat))
-                    <= self.cfg.rl.max_prompt_len
-                ):
+                if self._fits(task):
                     out.append(task)
                 else:
                     self.skipped_long += 1
@@ -284,15 +285,10 @@ class Run:
     def _eval_tasks(self, stream) -> list:
         """The first rl.eval.n_tasks held-out tasks whose prompt fits rl.max_prompt_len (the same tasks
         before and after training)."""
-        from rl import rollout
-
         out = []
         for _ in range(64 * self.cfg.rl.eval.n_tasks):
             task = stream.next_tasks(1)[0]
-            if (
-                len(rollout.format_prompt(task, self.tokenizer, chat=self.cfg.rl.chat))
-                <= self.cfg.rl.max_prompt_len
-            ):
+            if self._fits(task):
                 out.append(task)
                 if len(out) == self.cfg.rl.eval.n_tasks:
                     break
