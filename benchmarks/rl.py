@@ -26,11 +26,22 @@ train_step_mfu  MFU of the GRPO train step (`rl.train_step.make_train_step`) on 
                 in this process. The config's 128 x 512 batch takes minutes a step on a 2-core CPU, so
                 `--mfu_batch` (default 8: the batch of benchmarks/train_step.py's small rows) replaces it.
 peer            `/work/shared/peers/tunix_grpo_step_bench.py`, only when `tunix` imports; else why not.
+mismatch        Train-inference mismatch of the main job on `configs/grpo.py:test` with bf16 compute, with and
+                without routing replay (`rl.routing_replay`): the same seed samples the same batches, so the
+                per-step `train/mismatch_kl` (k3 estimate of KL(sampler || trainer) on the sampled tokens)
+                and `train/mismatch_out_of_band` (ratio outside [1/2, 2]) compare like for like; also the
+                generation seconds per step of both (the cost of recording the routing).
+ppo             `train/clip_fraction` (low / high), ratio max and approx KL to the proximal policy of the
+                main job on `configs/grpo.py:test` with `rl.ppo_epochs=2` (`--ppo_steps` steps).
+drafters        Rollout tokens per target forward and acceptance of each drafter (`rl.engine.draft`: none,
+                ngram, group, model) in the main job on `configs/grpo.py:demo`, each after the same shortened
+                warm start (`--draft_sft_steps`), over `--draft_steps` GRPO steps (means of the step records).
 
 The machine may be shared: compare the two modes (and MFU with its own peak) within one run.
 
     python benchmarks/rl.py --sections=async --steps=12
     python benchmarks/rl.py --quick
+    python benchmarks/rl.py --sections=mismatch,ppo,drafters
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ from configs import grpo  # noqa: E402
 from envs.domains import debug  # noqa: E402
 from model import plan  # noqa: E402
 
-SECTIONS = ("async", "mfu", "peer")
+SECTIONS = ("async", "mfu", "peer", "mismatch", "ppo", "drafters")
 PEER = "/work/shared/peers/tunix_grpo_step_bench.py"
 ASYNC_TARGET = 1.5
 SFT_STEPS = 4
@@ -209,6 +220,73 @@ def train_step_mfu(batch: int, seq_len: int | None, steps: int) -> dict:
     }
 
 
+# --- options of the main job: routing replay, PPO epochs, drafters ------------------------------------------
+
+
+def _main_job(cfg) -> tuple[dict, list[dict]]:
+    """`rl.train.train(cfg)` in a temporary workdir: (its result, its GRPO step records)."""
+    from rl import train
+
+    with tempfile.TemporaryDirectory(prefix="bench_rl_") as workdir:
+        out = train.train(cfg, workdir, run_eval=False)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            steps = [r for r in map(json.loads, f) if "pipeline/train_s" in r]
+    return out, steps
+
+
+def _mean(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return round(statistics.fmean(values), 6) if values else None
+
+
+def mismatch(steps: int) -> dict:
+    line: dict = {"config": "configs/grpo.py:test, model.compute_dtype=bfloat16", "steps": steps}
+    for replay in (False, True):
+        cfg = grpo.get_config("test")
+        cfg.model.compute_dtype = "bfloat16"
+        cfg.rl.steps, cfg.rl.checkpoint_every, cfg.rl.routing_replay = steps, steps + 1, replay
+        _, records = _main_job(cfg)
+        line["replay" if replay else "no_replay"] = {
+            key: _mean(records, f"train/{key}")
+            for key in ("mismatch_kl", "mismatch_kl_k1", "mismatch_out_of_band", "mismatch_ratio_max")
+        } | {"generation_s_mean": _mean(records[1:], "pipeline/generation_s")}
+    a, b = line["no_replay"]["mismatch_kl"], line["replay"]["mismatch_kl"]
+    line["kl_ratio_without_over_with"] = round(a / b, 2) if a and b else None
+    m = grpo.get_config("test").model
+    line["routing_bytes_per_token"] = m.num_layers * m.moe.top_k * 2  # int16 per MoE layer and slot
+    return line
+
+
+def ppo(steps: int) -> dict:
+    cfg = grpo.get_config("test")
+    cfg.rl.steps, cfg.rl.checkpoint_every, cfg.rl.ppo_epochs = steps, steps + 1, 2
+    _, records = _main_job(cfg)
+    keys = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "approx_kl", "ratio_mean")
+    out = {"config": "configs/grpo.py:test, rl.ppo_epochs=2", "steps": steps}
+    out.update({k: _mean(records, f"train/{k}") for k in keys})
+    out["ratio_max"] = max(r["train/ratio_max"] for r in records if "train/ratio_max" in r)
+    return out
+
+
+def drafters(steps: int, sft_steps: int) -> dict:
+    out: dict = {"config": "configs/grpo.py:demo", "steps": steps, "sft_steps": sft_steps}
+    for draft in ("none", "ngram", "group", "model"):
+        cfg = grpo.get_config("demo")
+        cfg.rl.steps, cfg.rl.checkpoint_every = steps, steps + 1
+        cfg.rl.sft.steps = sft_steps
+        cfg.rl.sft.optim.total_steps = sft_steps
+        cfg.rl.engine.draft = draft
+        result, records = _main_job(cfg)
+        out[draft] = {
+            "tokens_per_target_forward": _mean(records, "engine/tokens_per_target_forward"),
+            "acceptance_rate": _mean(records, "engine/acceptance_rate"),
+            "generation_s_mean": _mean(records[1:], "pipeline/generation_s"),
+            "reward_mean": _mean(records, "reward"),
+            "compiles_after_warmup": result["engine"]["compiles_after_warmup"],
+        }
+    return out
+
+
 # --- peer ---------------------------------------------------------------------------------------------------
 
 
@@ -232,6 +310,10 @@ def main() -> None:
     p.add_argument("--mfu_batch", type=int, default=8, help="rows of the train_step_mfu batch")
     p.add_argument("--mfu_seq_len", type=int, default=None, help="override the small config's seq_len")
     p.add_argument("--mfu_steps", type=int, default=3, help="timed train steps (median reported)")
+    p.add_argument("--mismatch_steps", type=int, default=6, help="GRPO steps per run (mismatch)")
+    p.add_argument("--ppo_steps", type=int, default=6, help="GRPO steps (ppo)")
+    p.add_argument("--draft_steps", type=int, default=6, help="GRPO steps per drafter (drafters)")
+    p.add_argument("--draft_sft_steps", type=int, default=400, help="warm-start steps per drafter run")
     p.add_argument("--quick", action="store_true", help="smoke run: 6 steps, MFU on 2 x 128")
     a = p.parse_args()
     chosen = [s for s in a.sections.split(",") if s]
@@ -250,6 +332,12 @@ def main() -> None:
         line["train_step_mfu"] = train_step_mfu(a.mfu_batch, a.mfu_seq_len, a.mfu_steps)
     if "peer" in chosen:
         line["peer"] = peer(a.quick)
+    if "mismatch" in chosen:
+        line["mismatch"] = mismatch(a.mismatch_steps)
+    if "ppo" in chosen:
+        line["ppo"] = ppo(a.ppo_steps)
+    if "drafters" in chosen:
+        line["drafters"] = drafters(a.draft_steps, a.draft_sft_steps)
     line["load_avg_1m_end"] = os.getloadavg()[0]
     line["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(line), flush=True)

@@ -57,9 +57,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     rl.micro_batches = 1
     # Sampling temperature: training log-probs are of logits / temperature, as the sampler saw them.
     rl.temperature = 1.0
-    # Routing replay: the training forward uses the experts the sampler chose (batch["expert_indices"]),
-    # so the policy ratio compares the same sparse sub-network on both sides.
+    # Routing replay (R3): the engine records the experts each MoE layer chose for every sampled token and
+    # the training forward replays them, so the ratio compares the same sparse sub-network on both sides.
     rl.routing_replay = False
+    # PPO-style updates: passes over each rollout batch, and optimizer steps per pass (the batch's rows
+    # split evenly). The proximal log-probs are computed once before the first update; with 1 and 1 the
+    # current policy is the proximal one (ratio 1) and clipping never engages.
+    rl.ppo_epochs = 1
+    rl.mini_batches = 1
+    # The train-inference mismatch metrics count tokens whose trainer/sampler ratio is outside [1/c, c].
+    rl.mismatch_band = 2.0
+    # KL to a frozen reference (rl.loss.kl_kind, kl_coef): the policy at step 0 (after SFT), kept as a
+    # second copy of the parameters on the same devices: "" keeps their dtype, "bfloat16" halves the cost.
+    rl.reference_dtype = ""
     rl.group_size = 8  # completions sampled per prompt (n); advantages are relative within a group
     rl.prompts_per_step = 4 if name == "tiny" else 16  # groups per step (batch = this * group_size)
     rl.advantage_std = "group"  # rl.grpo.group_advantages(std=...): group | batch | none (Dr. GRPO)
@@ -95,7 +105,7 @@ def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
     rl.async_rollout = False  # overlap sampling with training (bounded staleness)
     rl.max_staleness = 1  # versions a batch may lag the trainer (async); 0 = on-policy
     rl.max_queue = 2  # batches the producer may run ahead
-    rl.length_bucket = 64  # train batches are padded to fixed [batch_size, seq_len] anyway
+    rl.log_samples = 2  # episodes per logged step written to <workdir>/samples.jsonl (0: none)
     rl.checkpoint_every = 10
     rl.max_to_keep = 2
     rl.log_every = 1
@@ -106,6 +116,19 @@ def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
     e.prefill_chunk = 64 if name == "tiny" else 256
     e.prefill_batch = 4
     e.min_bucket = 16
+    # Speculative decoding in the rollout (exact: the samples' distribution is unchanged):
+    # none | ngram (prompt lookup) | group (the other samples of the same prompt) | model (rl.draft_model).
+    e.draft = "none"
+    e.num_draft = 4  # tokens proposed per speculative step
+    e.draft_ngram = 3  # longest suffix matched by the ngram and group drafters
+    # The model drafter: overrides of cfg.model for the smaller draft model. It is warm-started by the same
+    # SFT as the policy and kept in step with it: rl.draft_train_steps cross-entropy steps on the tokens
+    # just sampled after each policy update, so acceptance does not decay as the policy moves.
+    rl.draft_model = ml_collections.ConfigDict({"num_layers": 1})
+    rl.draft_train_steps = 1
+    # Environment options: rl.env.<domain>.<kwarg> goes to that domain's constructor in every worker and
+    # in the trainer's task streams, e.g. --config.rl.env.code.reward=fraction (checked at start).
+    rl.env = ml_collections.ConfigDict()
     sft = rl.sft = ml_collections.ConfigDict()  # warm start on reference solutions (no checkpoint yet)
     sft.steps = 20 if name == "tiny" else 200
     sft.rows = 16
@@ -125,7 +148,7 @@ def _variant(name: str) -> ml_collections.ConfigDict:
         # carry a reward signal; the domain is deliberately non-deterministic, so no quality gate.
         rl.domains = ("debug",)
         rl.quality_gate = False
-        rl.sft.steps, rl.sft.rows = 10, 8
+        rl.sft.steps, rl.sft.rows = 6, 8
         rl.steps, rl.checkpoint_every = 4, 2
         rl.prompts_per_step, rl.group_size = 2, 4
         rl.max_prompt_len, rl.max_new_tokens = 24, 8

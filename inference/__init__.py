@@ -1,8 +1,16 @@
 """JAX decoding engine: paged KV cache, continuous batching, prefix reuse, exact speculative decoding."""
 
-from inference.drafters import ModelDrafter, NgramDrafter
+from inference.drafters import GroupDrafter, ModelDrafter, NgramDrafter
 from inference.engine import Engine
 from inference.engine_config import Completion, EngineConfig
 from inference.sampling import SamplingParams
 
-__all__ = ["Completion", "Engine", "EngineConfig", "ModelDrafter", "NgramDrafter", "SamplingParams"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "GroupDrafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "SamplingParams",
+]

@@ -7,6 +7,14 @@
 - `NgramDrafter(n)`: prompt lookup. The last `n` tokens (then n - 1, ..., 1) are searched for earlier in the
   sequence (prompt and generated text); the tokens that followed the most recent match are proposed. Its q is
   the one-hot on the proposal, so verification stays exact. Costs no model forward at all.
+- `GroupDrafter(n)`: proposals from the other samples of the same request (the n samples of a GRPO group
+  share their prompt and often much of their text), falling back to the sequence's own text. Model-free and
+  one-hot like `NgramDrafter`.
+
+A one-hot draft keeps more than each sample's law: verifying a proposal x emits a token distributed exactly
+as p whatever x is, so a sample stays independent of the siblings its proposals came from (GRPO's group
+advantages need independent samples). Token-for-token reproducibility is per engine configuration: the
+group drafter's proposals depend on how far the siblings got, i.e. on the batching.
 """
 
 from __future__ import annotations
@@ -56,6 +64,88 @@ class NgramDrafter:
                 full = hits[hits + n + k <= length]
                 start = int(full[-1] if full.size else hits[-1]) + n
                 return seq[start : start + k].tolist()
+        return []
+
+
+class GroupDrafter:
+    """Proposes up to k tokens from sibling samples (same request): the most recent match of the sequence's
+    last `n` tokens (then n - 1, ..., 1) in a sibling's prompt tail + completion, still decoding or finished,
+    proposing what followed there; at each length a sibling match comes before one in the sequence's own
+    prompt + completion (the `NgramDrafter` fallback). `group(prompt, num_samples)` makes the per-request
+    index the engine keeps until the request's last sample finishes."""
+
+    def __init__(self, n: int = 3, *, max_scan: int = 64):
+        if n < 1:
+            raise ValueError(f"GroupDrafter(n={n}): n must be >= 1 (the longest suffix to match).")
+        if max_scan < 1:
+            raise ValueError(f"GroupDrafter(max_scan={max_scan}) must be >= 1.")
+        self.n, self.max_scan = n, max_scan
+
+    def group(self, prompt: Sequence[int], num_samples: int) -> SampleGroup:
+        return SampleGroup(prompt, num_samples, self.n, self.max_scan)
+
+
+class SampleGroup:
+    """The n-gram index of one request's samples: every n-gram (lengths 1..n) of prompt + completion of each
+    sample, with where its next token sits, in the order the tokens arrived. The prompt's own n-grams are
+    indexed once (owner -1); an n-gram followed by a sample's token belongs to that sample. Updating costs
+    n dict appends per token and proposing at most n lookups and `max_scan` candidates per length, whatever
+    the lengths: the engine calls `propose` for every row of every speculative step."""
+
+    def __init__(self, prompt: Sequence[int], num_samples: int, n: int, max_scan: int):
+        self.prompt, self.n, self.max_scan = [int(t) for t in prompt], n, max_scan
+        self.tokens: list[list[int]] = [[] for _ in range(num_samples)]
+        self.finished = 0  # samples done; their text stays until the last one (`finish`)
+        self._grams: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for nxt in range(1, len(self.prompt)):
+            self._index(-1, nxt)
+
+    def _slice(self, owner: int, a: int, b: int) -> list[int]:
+        """Tokens a..b-1 of prompt + completion of sample `owner` (the prompt alone for owner -1)."""
+        p = len(self.prompt)
+        if owner < 0 or b <= p:
+            return self.prompt[a:b]
+        toks = self.tokens[owner]
+        return toks[a - p : b - p] if a >= p else self.prompt[a:] + toks[: b - p]
+
+    def _index(self, owner: int, nxt: int) -> None:
+        """Registers the n-grams ending just before position `nxt` of `owner`'s sequence."""
+        for m in range(1, min(self.n, nxt) + 1):
+            gram = tuple(self._slice(owner, nxt - m, nxt))
+            self._grams.setdefault(gram, []).append((owner, nxt))
+
+    def append(self, sample: int, tokens: Sequence[int]) -> None:
+        """Sample `sample` emitted `tokens` (in order)."""
+        for tok in tokens:
+            self.tokens[sample].append(int(tok))
+            self._index(sample, len(self.prompt) + len(self.tokens[sample]) - 1)
+
+    def finish(self) -> bool:
+        """One more sample finished; True when it was the last (the engine then drops the index)."""
+        self.finished += 1
+        return self.finished == len(self.tokens)
+
+    def propose(self, sample: int, k: int) -> list[int]:
+        """Up to k tokens for sample `sample`; [] when no suffix of its text occurred before."""
+        length = len(self.prompt) + len(self.tokens[sample])
+        for m in range(min(self.n, length), 0, -1):
+            hits = self._grams.get(tuple(self._slice(sample, length - m, length)))
+            if not hits:
+                continue
+            best = {True: None, False: None}  # sibling?, -> (tokens available, owner, next position)
+            for owner, nxt in reversed(hits[-self.max_scan :]):
+                sibling = owner not in (-1, sample)
+                # Own and prompt matches continue in this sample's own text (the prompt runs into it).
+                src = owner if sibling else sample
+                avail = min(len(self.prompt) + len(self.tokens[src]) - nxt, k)
+                if best[sibling] is None or avail > best[sibling][0]:
+                    best[sibling] = (avail, src, nxt)
+                if sibling and avail == k:
+                    break  # the most recent sibling match with k tokens after it
+            choice = best[True] or best[False]
+            if choice is not None:
+                avail, src, nxt = choice
+                return self._slice(src, nxt, nxt + avail)
         return []
 
 

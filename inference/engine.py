@@ -1,29 +1,25 @@
 """`Engine`: paged KV cache, continuous batching, prefix reuse, exact speculative decoding, log-probs.
 
-A sequence is its context (tokens whose K/V are in its pages) plus one pending token. A new request's context
-is its prompt without the last token: the longest page-aligned prefix of it already in the prefix cache is
-adopted (no compute), the rest is prefilled in chunks of at most `prefill_chunk` tokens (bucketed lengths),
-once per distinct context; the n samples of a prompt fork that sequence (copy-on-write pages). Every decode
-step then feeds each active row its pending token and samples the next one, so all samples draw their first
-token with their own key. With a drafter the step proposes k tokens, verifies them with one target forward
-over k + 1 positions and rolls the pages back past the first rejection.
-
-Scheduling (`EngineConfig.scheduler`): "continuous" admits queued sequences into free decode slots before
-every step (as soon as one finishes); "static" admits only into an empty batch (the baseline). When the
-pool runs out of pages mid-decode the most recently admitted sequence is preempted: its pages are freed and
-it re-enters the queue with its generated tokens, to be re-prefilled (mostly from the prefix cache).
+A sequence is its context (tokens whose K/V are in its pages) plus one pending token; admission, prefix reuse,
+chunked prefill, copy-on-write forks of the n samples of a prompt, continuous or static batching and
+preemption are `inference.scheduler`'s. Every decode step feeds each active row its pending token and
+samples the next one, so all samples draw their first token with their own key. With a drafter the step
+proposes k tokens, verifies them with one target forward over k + 1 positions and rolls the pages back past
+the first rejection.
 
 Streaming use: `submit` queues requests, `step` runs one scheduler step and returns the completions that
 finished; `generate` is submit + step until done. `update_params` may be called between steps: sequences in
 flight continue with the new weights (their cached K/V stays), each token keeps the log-prob it was sampled
-with, and `Completion.policy_versions` says which version sampled each token.
+with, and `Completion.policy_versions` says which version sampled each token. `update_draft_params` swaps a
+`ModelDrafter`'s weights the same way.
+
+With `EngineConfig.record_routing` every target forward also writes the experts each MoE layer chose into
+routing pages beside the K/V, and `Completion.expert_indices` carries them (`inference.routing`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import threading
 from collections.abc import Sequence
 
@@ -33,36 +29,12 @@ import numpy as np
 from flax import nnx
 
 import model as model_lib
-from inference import kv_pages, steps
-from inference.drafters import ModelDrafter, NgramDrafter, _check_params
+from inference import kv_pages, routing, steps
+from inference.drafters import GroupDrafter, ModelDrafter, NgramDrafter, SampleGroup, _check_params
 from inference.engine_config import Completion, EngineConfig
 from inference.sampling import SamplingParams, sampling_arrays
-
-_NO_RELOAD = kv_pages.HostReload([], None, None)
-
-
-@dataclasses.dataclass
-class _Seq:
-    id: int
-    request_id: int
-    prompt_index: int
-    sample: int
-    params: SamplingParams
-    prompt: list[int]
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    raw: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    admitted: int = -1
-
-    @property
-    def pending(self) -> int:
-        return self.tokens[-1] if self.tokens else self.prompt[-1]
-
-    @property
-    def context(self) -> list[int]:
-        return (self.prompt + self.tokens)[:-1]
-
+from inference.scheduler import Scheduler, Seq, pow2
+from model import config as model_config
 
 # Lowerings (new executables, whether compiled or read from the persistent cache) in engine calls.
 _TLS = threading.local()
@@ -76,12 +48,12 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+DRAFTERS = (ModelDrafter, NgramDrafter, GroupDrafter)
 
 
-class Engine:
-    """`Engine(cfg, params, engine_cfg, *, draft=None)`: see the module docstring."""
+class Engine(Scheduler):
+    """`Engine(cfg, params, engine_cfg, *, draft=None)`: see the module docstring. `draft` is one of
+    `DRAFTERS` or None."""
 
     def __init__(self, cfg, params, engine_cfg: EngineConfig | None = None, *, draft=None):
         self.cfg, self.ecfg = cfg, engine_cfg or EngineConfig()
@@ -94,13 +66,13 @@ class Engine:
         # Committed placements, so that weights from update_params (placed alike) hit the same executables.
         self.params = _committed(params)
         self._param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
-        self._copy_params = jax.jit(
-            lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=self._param_shardings
-        )
+        self._copy_params = _copier(self.params)
         self.version = 0
         self.vocab = cfg.model.vocab_size
-        if draft is not None and not isinstance(draft, (ModelDrafter, NgramDrafter)):
-            raise TypeError(f"draft={draft!r} must be an inference.ModelDrafter, NgramDrafter or None.")
+        if draft is not None and not isinstance(draft, DRAFTERS):
+            raise TypeError(
+                f"draft={draft!r} must be an inference.ModelDrafter, NgramDrafter, GroupDrafter or None."
+            )
         if isinstance(draft, ModelDrafter) and draft.cfg.model.vocab_size != self.vocab:
             raise ValueError(
                 f"draft model vocab_size={draft.cfg.model.vocab_size} != target vocab_size={self.vocab}."
@@ -116,14 +88,24 @@ class Engine:
         self.prefix = kv_pages.PrefixCache(self.pool, e.page_size, e.prefix_pages, e.host_cache_pages)
         dtype = e.cache_dtype or cfg.model.compute_dtype
         model = nnx.merge(self._graphdef, self.params)
-        self.kv = _committed(model.init_paged_cache(e.pool_pages, e.page_size, dtype))
-        self.draft_kv = None
+        kv = model.init_paged_cache(e.pool_pages, e.page_size, dtype)
+        m = cfg.model
+        self.num_moe_layers = model_config.layer_counts(m)[1]
+        if e.record_routing and self.num_moe_layers:
+            kv["experts"] = routing.init_pages(
+                self.num_moe_layers, e.pool_pages, e.page_size, m.moe.top_k, m.moe.num_experts
+            )
+        self.kv = _committed(kv)
+        self.draft_kv = self.draft_params = None
         if isinstance(draft, ModelDrafter):
-            draft_model = nnx.merge(draft.graphdef, draft.params)
+            # The engine's own copy (committed, like self.params), swapped by update_draft_params.
+            self._copy_draft_params = _copier(draft.params)
+            self.draft_params = self._copy_draft_params(_committed(draft.params))
+            draft_model = nnx.merge(draft.graphdef, self.draft_params)
             self.draft_kv = _committed(draft_model.init_paged_cache(e.pool_pages, e.page_size, dtype))
         self._build_steps()
-        self._slots: list[_Seq | None] = [None] * e.max_batch
-        self._queue: collections.deque[_Seq] = collections.deque()
+        self._slots: list[Seq | None] = [None] * e.max_batch
+        self._queue: collections.deque[Seq] = collections.deque()
         self._holders: dict[int, int] = {}  # request id -> sequence holding its context for queued samples
         self._next_seq = self._next_request = self._admissions = 0
         self._stats = collections.Counter()
@@ -131,6 +113,8 @@ class Engine:
         self._warm_compiles: int | None = None
         self._lock = threading.RLock()  # one scheduler step, submit or weight swap at a time
         self._waiting: dict[int, list[Completion]] = {}  # request id -> completions, for `generate`
+        # GroupDrafter: request id -> its samples' index, kept until the request's last sample finishes.
+        self._groups: dict[int, SampleGroup] = {}
 
     # --- public API ------------------------------------------------------------------------------------
 
@@ -186,8 +170,10 @@ class Engine:
             self._next_request += 1
             ids.append(rid)
             for s in range(p.n):
-                self._queue.append(_Seq(self._next_seq, rid, i, s, p, prompt))
+                self._queue.append(Seq(self._next_seq, rid, i, s, p, prompt))
                 self._next_seq += 1
+            if isinstance(self.draft, GroupDrafter):
+                self._groups[rid] = self.draft.group(prompt, p.n)
         return ids
 
     def has_work(self) -> bool:
@@ -201,7 +187,8 @@ class Engine:
             active = [(b, s) for b, s in enumerate(self._slots) if s is not None]
             if not active:
                 return []
-            done = self._spec_step(active) if self.draft is not None else self._decode_step(active)
+            finished = self._spec_step(active) if self.draft is not None else self._decode_step(active)
+            done = self._complete(finished)
             for c in done:
                 if c.request_id in self._waiting:
                     self._waiting[c.request_id].append(c)
@@ -227,8 +214,8 @@ class Engine:
         with self._counting():
             for start in range(0, len(by_len), self.ecfg.score_batch):
                 chunk = by_len[start : start + self.ecfg.score_batch]
-                t = max(self.ecfg.min_bucket, _pow2(max(len(p) + len(c) for _, p, c in chunk)))
-                b = _pow2(len(chunk))
+                t = max(self.ecfg.min_bucket, pow2(max(len(p) + len(c) for _, p, c in chunk)))
+                b = pow2(len(chunk))
                 tokens = np.zeros((b, t), np.int32)
                 for r, (_, p, c) in enumerate(chunk):
                     tokens[r, : len(p) + len(c)] = p + c
@@ -254,6 +241,22 @@ class Engine:
             self.version += 1
             return self.version
 
+    def update_draft_params(self, params) -> None:
+        """Swaps in new weights of the `ModelDrafter` (same tree, shapes, dtypes: no recompile), copied so
+        the caller may donate its own. Sequences in flight and cached prefixes keep the draft K/V of the old
+        weights: that only lowers acceptance, never exactness (each draft token is verified against the q it
+        was sampled from)."""
+        if not isinstance(self.draft, ModelDrafter):
+            raise ValueError(
+                f"update_draft_params needs an engine built with a ModelDrafter, not {self.draft!r}."
+            )
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        _check_params("draft params", params, self.draft_params)
+        with self._counting():
+            shardings = jax.tree.map(lambda a: a.sharding, self.draft_params)
+            self.draft_params = self._copy_draft_params(jax.device_put(params, shardings))
+
     def warmup(self, *, score_lengths: Sequence[int] = ()) -> None:
         """Compiles every shape `step` can use (prefill buckets, decode / speculative step, page copies,
         host-tier moves) and the scoring buckets for `score_lengths`; later calls never compile
@@ -278,9 +281,14 @@ class Engine:
                 self.kv, *_ = self._decode(self.params, self.kv, dummy)
             else:
                 self._run_spec(dummy, zeros(rows, e.num_draft), zeros(rows))
+            if "experts" in self.kv:
+                n = 1
+                while n <= pow2(e.max_batch * e.pages_per_seq):
+                    routing.gather(self.kv["experts"], [kv_pages.NULL_PAGE] * n)
+                    n *= 2
             if e.host_cache_pages:
                 n = 1
-                while n <= _pow2(e.pages_per_seq):
+                while n <= pow2(e.pages_per_seq):
                     pages = [kv_pages.NULL_PAGE] * n
                     host = kv_pages.gather_pages(self.kv["k"], self.kv["v"], pages)
                     self.kv["k"], self.kv["v"] = kv_pages.scatter_pages(
@@ -293,6 +301,8 @@ class Engine:
                     self.score([[0]] * b, [[0] * max(length - 1, 1)] * b)
                     b *= 2
             self.params = self._copy_params(self.params)
+            if self.draft_params is not None:
+                self.draft_params = self._copy_draft_params(self.draft_params)
         jax.block_until_ready(self.kv)
         self._warm_compiles = self._compiles[0]
 
@@ -327,177 +337,28 @@ class Engine:
         if any(not 0 <= t < self.vocab for t in p.stop_tokens):
             raise ValueError(f"stop_tokens={p.stop_tokens} must be ids in [0, {self.vocab}).")
 
-    def _admit(self) -> None:
-        e = self.ecfg
-        free = [b for b, s in enumerate(self._slots) if s is None]
-        if e.scheduler == "static" and len(free) < e.max_batch:
-            return
-        jobs = []
-        while free and self._queue:
-            leader = self._queue[0]
-            group = [leader]
-            for seq in list(self._queue)[1 : len(free)]:
-                if seq.request_id != leader.request_id or seq.tokens or leader.tokens:
-                    break
-                group.append(seq)
-            context = leader.context
-            need = -(-len(context) // e.page_size) + len(group)
-            if self.pool.num_free + self.prefix.reclaimable() < need and (jobs or self._num_active()):
-                break
-            donor = None if leader.tokens else self._holders.get(leader.request_id)
-            try:
-                if donor is not None:  # a later sample of an admitted request: share its context pages
-                    self.table.fork(donor, leader.id)
-                    self.table.truncate(leader.id, len(context))
-                    start = len(context)
-                else:
-                    start = self._start(leader, context)
-            except kv_pages.OutOfPages:
-                if jobs or self._num_active():
-                    break
-                raise RuntimeError(
-                    f"engine.num_pages={e.pool_pages} cannot hold one sequence of {len(context)} tokens; "
-                    "raise engine.num_pages."
-                ) from None
-            for seq in group[1:]:
-                self.table.fork(leader.id, seq.id)
-            for seq in group:
-                self._queue.popleft()
-                seq.admitted = self._admissions
-                self._admissions += 1
-                self._slots[free.pop(0)] = seq
-            jobs.append((leader, start, context))
-            queued = any(q.request_id == leader.request_id and not q.tokens for q in self._queue)
-            if queued and leader.request_id not in self._holders:
-                # Samples still waiting for a slot: keep the context pages until the last one is admitted.
-                self._holders[leader.request_id] = holder = self._next_seq
-                self._next_seq += 1
-                self.table.fork(leader.id, holder)
-        for rid in [r for r in self._holders if not any(q.request_id == r for q in self._queue)]:
-            self.table.free(self._holders.pop(rid))
-        if jobs:
-            self._prefill(jobs)
-
-    def _num_active(self) -> int:
-        return sum(s is not None for s in self._slots)
-
-    def _start(self, seq: _Seq, context: list[int]) -> int:
-        """New sequence over the cached prefix of `context`; reserves pages for the rest. Returns the
-        number of context tokens already cached."""
-        hit = self.prefix.lookup(context) if self.ecfg.prefix_pages else kv_pages.PrefixHit([], 0, _NO_RELOAD)
-        if hit.reload.pages:
-            self.kv["k"], self.kv["v"] = hit.reload.apply(self.kv["k"], self.kv["v"])
-        self.table.new(seq.id, hit.pages, hit.num_tokens)
-        try:
-            self.table.append_tokens(seq.id, len(context) - hit.num_tokens)
-        except kv_pages.OutOfPages:
-            self.table.free(seq.id)
-            raise
-        return hit.num_tokens
-
-    def _prefill(self, jobs: list[tuple[_Seq, int, list[int]]]) -> None:
-        e = self.ecfg
-        work = [[seq, start, context] for seq, start, context in jobs if start < len(context)]
-        self._stats["prefill_tokens"] += sum(len(c) - s for _, s, c in work)
-        while work:
-            work.sort(key=lambda w: len(w[2]) - w[1], reverse=True)
-            batch = work[: e.prefill_batch]
-            t = min(e.prefill_chunk, max(e.min_bucket, _pow2(max(len(c) - s for _, s, c in batch))))
-            b = _pow2(len(batch))
-            tokens, table = np.zeros((b, t), np.int32), np.zeros((b, e.pages_per_seq), np.int32)
-            start_B, num_B = np.zeros(b, np.int32), np.zeros(b, np.int32)
-            for r, (seq, start, context) in enumerate(batch):
-                n = min(t, len(context) - start)
-                tokens[r, :n] = context[start : start + n]
-                table[r] = self.table.page_table([seq.id])[0]
-                start_B[r], num_B[r] = start, n
-            self._run_prefill(tokens, table, start_B, num_B)
-            self._stats["prefill_calls"] += 1
-            for r, w in enumerate(batch):
-                w[1] += int(num_B[r])
-            work = [w for w in work if w[1] < len(w[2])]
-        for seq, _, context in jobs if self.ecfg.prefix_pages else ():
-            self.prefix.insert(context, self.table.pages(seq.id))
-        self._offload_cold()
-
-    def _offload_cold(self) -> None:
-        """Keeps free device pages for new work by moving idle prefix blocks to the host tier."""
-        if not self.ecfg.host_cache_pages:
-            return
-        want = self.ecfg.max_batch - self.pool.num_free
-        if want > 0:
-            n = min(_pow2(want), _pow2(self.ecfg.pages_per_seq))
-            pages = self.prefix.offload_candidates(n)
-            if pages:
-                padded = pages + [kv_pages.NULL_PAGE] * (_pow2(len(pages)) - len(pages))
-                k, v = kv_pages.gather_pages(self.kv["k"], self.kv["v"], padded)
-                self.prefix.offload(pages, k[:, : len(pages)], v[:, : len(pages)])
-
-    def _grow(self, active: list[tuple[int, _Seq]], n: int) -> list[tuple[int, _Seq]]:
-        """Reserves n more slots for each active sequence (preempting the youngest when out of pages) and
-        applies the copy-on-write copies. Returns the rows still active."""
-        copies, grown = {}, []
-        for b, seq in sorted(active, key=lambda a: a[1].admitted):
-            while seq in self._slots:  # (a sequence preempted for an older one is skipped)
-                try:
-                    copies[seq.id] = self.table.append_tokens(seq.id, n).copies
-                    grown.append((b, seq))
-                    break
-                except kv_pages.OutOfPages:
-                    victim = max((s for s in self._slots if s is not None), key=lambda s: s.admitted)
-                    self._preempt(victim)
-                    grown = [(bb, s) for bb, s in grown if s is not victim]
-                    if victim is seq:
-                        break
-        # A preempted sequence's copies are dropped: its pages may already belong to someone else.
-        self._apply_copies([c for _, seq in grown for c in copies[seq.id]])
-        return sorted(grown)
-
-    def _preempt(self, seq: _Seq) -> None:
-        self.table.free(seq.id)
-        self._slots[self._slots.index(seq)] = None
-        self._queue.appendleft(seq)
-        self._stats["preemptions"] += 1
-
-    def _rows(self, active):
-        """Per-slot arrays: pending tokens, page tables, starts, active flags, sampling, keys."""
-        e = self.ecfg
-        rows = e.max_batch
-        tokens, start = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        act = np.zeros(rows, np.int32)
-        table = np.zeros((rows, e.pages_per_seq), np.int32)
-        seed, req, sample, stepi = (np.zeros(rows, np.int32) for _ in range(4))
-        params = [SamplingParams()] * rows
-        for b, seq in active:
-            tokens[b], act[b] = seq.pending, 1
-            start[b] = len(seq.prompt) + len(seq.tokens) - 1
-            table[b] = self.table.page_table([seq.id])[0]
-            seed[b], req[b], sample[b], stepi[b] = (
-                seq.params.seed,
-                seq.prompt_index,
-                seq.sample,
-                len(seq.tokens),
-            )
-            params[b] = seq.params
-        return steps.Rows(tokens, table, start, act, sampling_arrays(params), (seed, req, sample, stepi))
-
-    def _decode_step(self, active) -> list[Completion]:
+    def _decode_step(self, active) -> list[Seq]:
         active = self._grow(active, 1)
         self.kv, nxt, logp, raw = self._decode(self.params, self.kv, self._rows(active))
         nxt, logp, raw = jax.device_get((nxt, logp, raw))
         self._stats["target_row_forwards"] += len(active)
         self._stats["decode_steps"] += 1
-        return [c for b, seq in active if (c := self._emit(seq, [nxt[b]], [logp[b]], [raw[b]]))]
+        return [seq for b, seq in active if self._emit(seq, [nxt[b]], [logp[b]], [raw[b]])]
 
-    def _spec_step(self, active) -> list[Completion]:
+    def _propose(self, seq: Seq, k: int) -> list[int]:
+        if isinstance(self.draft, GroupDrafter):
+            return self._groups[seq.request_id].propose(seq.sample, k)
+        return self.draft.propose(seq.prompt + seq.tokens, k)
+
+    def _spec_step(self, active) -> list[Seq]:
         k = self.ecfg.num_draft
         active = self._grow(active, k + 1)
         rows = self._rows(active)
         draft = np.zeros((self.ecfg.max_batch, k), np.int32)
         num_draft = np.zeros(self.ecfg.max_batch, np.int32)
-        if isinstance(self.draft, NgramDrafter):
+        if not isinstance(self.draft, ModelDrafter):
             for b, seq in active:
-                proposal = self.draft.propose(seq.prompt + seq.tokens, k)
+                proposal = self._propose(seq, k)
                 draft[b, : len(proposal)], num_draft[b] = proposal, len(proposal)
         else:
             num_draft[:] = k
@@ -510,14 +371,14 @@ class Engine:
             self._stats["proposed_tokens"] += int(num_draft[b])
             self._stats["accepted_tokens"] += a
             self.table.truncate(seq.id, int(rows.start_B[b]) + a + 1)
-            c = self._emit(seq, out[b, : a + 1], logp[b, : a + 1], raw[b, : a + 1])
-            if c:
-                finished.append(c)
+            if self._emit(seq, out[b, : a + 1], logp[b, : a + 1], raw[b, : a + 1]):
+                finished.append(seq)
         return finished
 
-    def _emit(self, seq: _Seq, tokens, logps, raws) -> Completion | None:
-        """Appends emitted tokens up to a stop token or max_new_tokens; frees a finished sequence."""
-        p, reason = seq.params, None
+    def _emit(self, seq: Seq, tokens, logps, raws) -> bool:
+        """Appends emitted tokens up to a stop token or max_new_tokens; True when the sequence finished (it
+        leaves its slot; `_complete` frees its pages)."""
+        p, reason, before = seq.params, None, len(seq.tokens)
         for tok, lp, raw in zip(tokens, logps, raws):
             seq.tokens.append(int(tok))
             seq.logprobs.append(float(lp))
@@ -530,21 +391,47 @@ class Engine:
                 reason = "length"
             if reason:
                 break
+        group = self._groups.get(seq.request_id)
+        if group is not None:
+            group.append(seq.sample, seq.tokens[before:])
         if reason is None:
-            return None
-        self.table.free(seq.id)
+            return False
+        seq.finish_reason = reason
         self._slots[self._slots.index(seq)] = None
-        self._stats["completions"] += 1
-        return Completion(
-            seq.prompt_index,
-            seq.tokens,
-            seq.logprobs,
-            reason,
-            seq.sample,
-            seq.raw,
-            seq.versions,
-            seq.request_id,
-        )
+        return True
+
+    def _complete(self, finished: list[Seq]) -> list[Completion]:
+        """Completions of the sequences that finished this step: reads their routing records (one device
+        read for all) before their pages are freed; drops a request's group index after its last sample."""
+        records = [None] * len(finished)
+        if self.ecfg.record_routing:
+            lengths = [len(seq.prompt) + len(seq.tokens) for seq in finished]
+            if "experts" in self.kv:
+                pages = [self.table.pages(seq.id) for seq in finished]
+                records = routing.read(self.kv["experts"], list(zip(pages, lengths)))
+            else:  # a dense model: no MoE layer
+                records = [routing.empty(n, self.cfg.model.moe.top_k) for n in lengths]
+        out = []
+        for seq, record in zip(finished, records):
+            self.table.free(seq.id)
+            self._stats["completions"] += 1
+            group = self._groups.get(seq.request_id)
+            if group is not None and group.finish():
+                del self._groups[seq.request_id]
+            out.append(
+                Completion(
+                    seq.prompt_index,
+                    seq.tokens,
+                    seq.logprobs,
+                    seq.finish_reason,
+                    seq.sample,
+                    seq.raw,
+                    seq.versions,
+                    seq.request_id,
+                    expert_indices=record,
+                )
+            )
+        return out
 
     # --- device calls ----------------------------------------------------------------------------------
 
@@ -552,20 +439,20 @@ class Engine:
         """The jitted steps, shared by every engine over the same model graph and sizes (no re-tracing
         when an engine is rebuilt)."""
         g, e = self._graphdef, self.ecfg
-        self._prefill_fn = _jitted("prefill", g)
-        self._decode = _jitted("decode", g)
-        self._score = _jitted("score", g)
-        self._copy = _jitted("copy")
+        self._prefill_fn = steps.jitted("prefill", g)
+        self._decode = steps.jitted("decode", g)
+        self._score = steps.jitted("score", g)
+        self._copy = steps.jitted("copy")
         if isinstance(self.draft, ModelDrafter):
-            self._draft_prefill = _jitted("prefill", self.draft.graphdef)
-            self._spec = _jitted("spec_model", g, self.draft.graphdef, e.num_draft, self._resample_from)
-        elif isinstance(self.draft, NgramDrafter):
-            self._spec = _jitted("spec_tokens", g, self.vocab, self._resample_from)
+            self._draft_prefill = steps.jitted("prefill", self.draft.graphdef)
+            self._spec = steps.jitted("spec_model", g, self.draft.graphdef, e.num_draft, self._resample_from)
+        elif self.draft is not None:  # one-hot proposals from the host
+            self._spec = steps.jitted("spec_tokens", g, self.vocab, self._resample_from)
 
     def _run_prefill(self, tokens, table, start, num) -> None:
         self.kv = self._prefill_fn(self.params, self.kv, tokens, table, start, num)
         if self.draft_kv is not None:
-            self.draft_kv = self._draft_prefill(self.draft.params, self.draft_kv, tokens, table, start, num)
+            self.draft_kv = self._draft_prefill(self.draft_params, self.draft_kv, tokens, table, start, num)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write copies, padded to max_batch (one shape); more are applied in chunks."""
@@ -584,7 +471,7 @@ class Engine:
     def _run_spec(self, rows: steps.Rows, draft, num_draft):
         if isinstance(self.draft, ModelDrafter):
             self.kv, self.draft_kv, *out = self._spec(
-                self.params, self.draft.params, self.kv, self.draft_kv, rows
+                self.params, self.draft_params, self.kv, self.draft_kv, rows
             )
         else:
             self.kv, *out = self._spec(self.params, self.kv, rows, draft, num_draft)
@@ -610,23 +497,11 @@ class _Counting:
         self.lock.release()
 
 
-@functools.lru_cache(maxsize=64)
-def _jitted(kind: str, *static):
-    if kind == "prefill":
-        return jax.jit(functools.partial(steps.prefill, *static), donate_argnums=1)
-    if kind == "decode":
-        return jax.jit(functools.partial(steps.decode, *static), donate_argnums=1)
-    if kind == "score":
-        return jax.jit(functools.partial(steps.score, *static))
-    if kind == "copy":
-        return jax.jit(steps.copy_pages, donate_argnums=0)
-    if kind == "spec_model":
-        g, draft_g, k, resample_from = static
-        fn = functools.partial(steps.speculative_model, g, draft_g, num_draft=k, resample_from=resample_from)
-        return jax.jit(fn, donate_argnums=(2, 3))
-    g, vocab, resample_from = static
-    fn = functools.partial(steps.speculative_tokens, g, vocab=vocab, resample_from=resample_from)
-    return jax.jit(fn, donate_argnums=1)
+def _copier(tree):
+    """A jitted copy of a tree like `tree`, placed like it (the engine's copies of weights it was given)."""
+    return jax.jit(
+        lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda a: a.sharding, tree)
+    )
 
 
 def _committed(tree):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import ml_collections
+import numpy as np
 
 SCHEDULERS = ("continuous", "static")
 
@@ -26,6 +27,11 @@ class EngineConfig:
     scheduler: str = "continuous"
     cache_dtype: str = ""  # "": the model's compute dtype
     score_batch: int = 8  # rows per scoring call
+    # Record the experts each MoE layer chose for every token the target fed (Completion.expert_indices, for
+    # routing replay) in routing pages beside the K/V: L_moe * k bytes per pool slot with at most 127
+    # experts (int8), else 2 * L_moe * k (int16); e.g. 58 MoE layers, top-8 of 256 experts: 928 B per token
+    # (K/V: 2 * L * K * H * dtype bytes). Needs host_cache_pages = 0.
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,6 +56,11 @@ class EngineConfig:
             )
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"engine.scheduler={self.scheduler!r} is unknown; choose one of {SCHEDULERS}.")
+        if self.record_routing and self.host_cache_pages:
+            raise ValueError(
+                f"engine.host_cache_pages={self.host_cache_pages} must be 0 with engine.record_routing (the "
+                "host tier moves K/V pages, not the routing record)."
+            )
         if self.num_pages and self.num_pages < self.pages_per_seq + 1:
             raise ValueError(
                 f"engine.num_pages={self.num_pages} cannot hold one sequence of "
@@ -85,7 +96,12 @@ class EngineConfig:
 class Completion:
     """One sampled continuation. `logprobs[i]` is the log-prob of `tokens[i]` under the distribution it was
     drawn from (after temperature / top-k / top-p / min-p); `raw_logprobs` under the untempered softmax.
-    A stop token ends the completion and is included; `finish_reason` is "stop" or "length"."""
+    A stop token ends the completion and is included; `finish_reason` is "stop" or "length".
+
+    `expert_indices` (with `EngineConfig.record_routing`, else None): [L_moe, len(prompt) + len(tokens), k]
+    int8 (int16 with more than 127 experts), row t the experts each MoE layer chose for token t of prompt +
+    tokens when it was fed at position t; the last token is never fed, its row holds experts 0..k-1. A dense
+    model gives L_moe = 0. See `inference.routing`."""
 
     prompt_index: int
     tokens: list[int]
@@ -95,3 +111,4 @@ class Completion:
     raw_logprobs: list[float] = dataclasses.field(default_factory=list)
     policy_versions: list[int] = dataclasses.field(default_factory=list)
     request_id: int = 0
+    expert_indices: np.ndarray | None = None

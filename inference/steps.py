@@ -4,7 +4,9 @@ Dimension key: B rows (decode slots or prefill rows), T tokens per row, K draft 
 M pages per row in the page table.
 
 Each is a pure function of (params, cache arrays, small per-row arrays) built from a model graph definition
-and jitted once per shape by `Steps`; the cache arrays are donated, so XLA updates the pages in place.
+and jitted once per shape (`jitted`); the cache arrays are donated, so XLA updates the pages in place. The
+cache dict holds the K/V pages `k` / `v` and, when the engine records routing, the record `experts`
+(`inference.routing`): every forward through the target writes both.
 Per-row arrays (tokens, starts, counts, page tables, sampling parameters, seeds) are traced values, so a new
 prompt length, sampling setting or batch composition never retraces: only the bucketed shapes do.
 
@@ -15,13 +17,14 @@ the n samples of a prompt never share a key.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inference import sampling, speculative
+from inference import routing, sampling, speculative
 from inference.sampling import SamplingArrays
 
 
@@ -40,10 +43,15 @@ def _cache(kv: dict, table_BM, start_B, num_new_B) -> dict:
 
 
 def _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B):
+    """The model over a paged cache; returns (logits_BTV, kv with the new tokens' K/V written, and their
+    routing when `kv` holds the routing record `experts`)."""
     logits_BTV, aux = nnx.merge(graphdef, params)(
         tokens_BT, kv_cache=_cache(kv, table_BM, start_B, num_new_B)
     )
-    return logits_BTV, aux["kv_cache"]
+    kv = dict(kv, **aux["kv_cache"])
+    if "experts" in kv:
+        kv["experts"] = routing.write(kv["experts"], aux["expert_indices"], table_BM, start_B, num_new_B)
+    return logits_BTV, kv
 
 
 def prefill(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B):
@@ -173,3 +181,24 @@ def score(graphdef, params, tokens_BT, arrays: SamplingArrays):
 def copy_pages(kv: dict, src_N, dst_N) -> dict:
     """Copy-on-write: pages src -> dst in every layer (padding copies the null page onto itself)."""
     return {name: a.at[:, dst_N].set(a[:, src_N]) for name, a in kv.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def jitted(kind: str, *static):
+    """The jitted step `kind` over static arguments (graph definitions, sizes), shared by every engine over
+    the same model graph and sizes, so an engine rebuilt with them does not re-trace."""
+    if kind in ("prefill", "decode"):
+        return jax.jit(functools.partial(prefill if kind == "prefill" else decode, *static), donate_argnums=1)
+    if kind == "score":
+        return jax.jit(functools.partial(score, *static))
+    if kind == "copy":
+        return jax.jit(copy_pages, donate_argnums=0)
+    if kind == "spec_model":
+        g, draft_g, k, resample_from = static
+        fn = functools.partial(speculative_model, g, draft_g, num_draft=k, resample_from=resample_from)
+        return jax.jit(fn, donate_argnums=(2, 3))
+    if kind == "spec_tokens":
+        g, vocab, resample_from = static
+        fn = functools.partial(speculative_tokens, g, vocab=vocab, resample_from=resample_from)
+        return jax.jit(fn, donate_argnums=1)
+    raise ValueError(f"unknown step kind {kind!r}")

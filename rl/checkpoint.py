@@ -165,6 +165,9 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(_keys_as_data(state)), meta=ocp.args.JsonSave(meta)
         )
+        if step in self.all_steps():  # a forced save replaces the step (e.g. step 0: SFT progress -> done)
+            self._manager.wait_until_finished()
+            self._manager.delete(step)
         return bool(self._manager.save(step, args=args, force=True))
 
     def latest_step(self) -> int | None:
@@ -172,6 +175,18 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any] | None:
+        """The meta of `step` (default: the latest) without its state, or None when there is none; a
+        changed model config is refused here too."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        saved = meta.pop(_RESERVED, None)
+        if self.config is not None and saved is not None:
+            check_config(saved["model_config"], self.config)
+        return meta
 
     def restore(self, step: int | None = None, *, target_state: Any) -> tuple[Any, dict[str, Any]] | None:
         """(state, meta) of `step` (default: the latest), or None when there is no checkpoint.
@@ -181,10 +196,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             return None
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        saved = meta.pop(_RESERVED, None)
-        if self.config is not None and saved is not None:
-            check_config(saved["model_config"], self.config)
+        meta = self.read_meta(step)
         target = ocp.args.StandardRestore(_abstract_target(target_state, self.mesh))
         restored = self._manager.restore(step, args=ocp.args.Composite(state=target))
         return _rewrap_keys(restored.state, target_state), meta

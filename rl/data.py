@@ -17,14 +17,29 @@ and leave eval without some levels. Such domains (`DEFAULT_SPLIT_ON`) split on t
 metadata) instead: instances are held out and templates are shared. `split_on="prompt"` forces the strict
 split anywhere. Both splits must use the same `holdout` and `split_on`.
 
-JAX-free: the trainer feeds the tasks to `envs.EnvPool`, which is where the prompts are rendered.
+Data that comes split (an environment with `data_splits`, e.g. `math` with `train_jsonl`/`test_jsonl` or
+`tfds_name`: GSM8K's own train and test) needs no holdout: the train stream draws from the data's "train"
+split and the eval stream from its "test" split (`DATA_SPLIT`).
+
+Environment options. `env_kwargs` (the config's `rl.env.<domain>`, see `env_kwargs(cfg)`) go to the stream's
+environment, as they go to the pool's workers. They are not part of a stream's identity: options that only
+change scoring (timeouts, reward shaping) may change between a run and its resume. What the stream's state
+does record is a digest of the stream's first tasks, so a resume under options or data that change the tasks
+(another data file, or the same path with other contents) is refused instead of silently continuing from the
+saved position in other data.
+
+`heldout_tasks(cfg, tokenizer)` is the one held-out selection: the trainer's before/after evaluation and
+`python -m rl.evaluate` both score it.
+
+JAX-free at import: the trainer feeds the tasks to `envs.EnvPool`, which is where the prompts are rendered
+(only `fits_prompt` imports `rl.rollout`, and JAX with it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import grain
@@ -37,6 +52,10 @@ SplitOn = Literal["prompt", "task"]
 # Domains whose prompts are a few templates over per-task hidden data split on the whole task (see above).
 DEFAULT_SPLIT_ON: dict[str, SplitOn] = {"terminal": "task"}
 MAX_ATTEMPTS = 256  # redraws of one record before giving up: the split's share of the pool is ~empty
+# The data split each stream draws from, for environments whose data comes split (`env.data_splits`).
+DATA_SPLIT: dict[Split, str] = {"train": "train", "eval": "test"}
+FINGERPRINT_RECORDS = 4  # records whose tasks identify a stream's contents (checked on resume)
+HELDOUT_DRAWS_PER_TASK = 64  # eval-stream draws per wanted task before heldout_tasks gives up
 
 
 def _hash64(*parts: Any) -> int:
@@ -65,6 +84,7 @@ class DomainTasks:
         seed: int,
         split: Split = "train",
         env: Environment | None = None,
+        env_kwargs: Mapping[str, Any] | None = None,
         difficulty: int | None = None,
         levels: tuple[int, ...] | None = None,
         num_records: int = 1_000_000,
@@ -76,10 +96,15 @@ class DomainTasks:
             raise ValueError(f"split={split!r}; use 'train' or 'eval'")
         if not 0 < holdout < 1:
             raise ValueError(f"holdout={holdout} must be in (0, 1): both splits need prompts")
+        if env is not None and env_kwargs:
+            raise ValueError(f"{domain}: give env or env_kwargs, not both (env_kwargs make the env)")
         self.domain, self.seed, self.split = domain, int(seed), split
         self.holdout, self.split_on = holdout, split_on or DEFAULT_SPLIT_ON.get(domain, "prompt")
-        self.env = env if env is not None else registry.make(domain)
+        self.env = env if env is not None else registry.make(domain, **(env_kwargs or {}))
         self._owns_env = env is None
+        # Split data (e.g. GSM8K train / test) is drawn from its own split, with no hash holdout.
+        self.data_split = DATA_SPLIT[split] if getattr(self.env, "data_splits", ()) else None
+        self._fingerprint: str | None = None
         if difficulty is not None and difficulty not in self.env.levels:
             raise ValueError(f"{domain}: difficulty={difficulty} not in levels {self.env.levels}")
         bad = [lv for lv in levels or () if lv not in self.env.levels]
@@ -98,7 +123,8 @@ class DomainTasks:
         self._iterator = iter(self.dataset)
 
     def task_at(self, index: int) -> Task:
-        """Record `index`: the first attempt whose task falls in this stream's split."""
+        """Record `index`: the first attempt whose task falls in this stream's split (split data: the
+        first attempt, drawn from the data's own split)."""
         record = ("record", self.domain, self.split, self.seed, int(index))
         levels = self.levels
         # The level is the record's, not the attempt's: redraws must not skew the mix of levels.
@@ -106,6 +132,8 @@ class DomainTasks:
         for attempt in range(MAX_ATTEMPTS):
             h = _hash64(*record, attempt)
             env_seed = 2 * (h >> 1) + (self.split == "eval")  # disjoint seed spaces: even train, odd eval
+            if self.data_split is not None:
+                return self.env.sample_tasks(seed=env_seed, n=1, difficulty=level, split=self.data_split)[0]
             task = self.env.sample_tasks(seed=env_seed, n=1, difficulty=level)[0]
             if split_of(task, holdout=self.holdout, split_on=self.split_on) == self.split:
                 return task
@@ -130,13 +158,27 @@ class DomainTasks:
 
     def get_state(self) -> dict[str, Any]:
         """grain's iterator state plus what identifies the stream (checked on `set_state`)."""
-        return {"iterator": self._iterator.get_state(), **self._identity()}
+        return {"iterator": self._iterator.get_state(), **self._identity(), "tasks": self.fingerprint()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         mismatch = {k: (state.get(k), v) for k, v in self._identity().items() if state.get(k) != v}
         if mismatch:
             raise ValueError(f"stream state is of another stream: (saved, current) {mismatch}")
+        if "tasks" in state and state["tasks"] != self.fingerprint():  # states saved before it have none
+            raise ValueError(
+                f"{self.domain} ({self.split}): the saved stream's tasks differ from this one's: its "
+                "environment options (rl.env) or data (the files' contents) or task generator changed since "
+                "the state was saved; resume with the run's own options and data, or start a new run"
+            )
         self._iterator.set_state(state["iterator"])
+
+    def fingerprint(self) -> str:
+        """A digest of the tasks of records 0..FINGERPRINT_RECORDS-1: what the stream serves, whatever
+        options or data made them."""
+        if self._fingerprint is None:
+            tasks = [self.task_at(i).to_json() for i in range(FINGERPRINT_RECORDS)]
+            self._fingerprint = hashlib.sha256(json.dumps(tasks).encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def _identity(self) -> dict[str, Any]:
         return {
@@ -151,6 +193,63 @@ class DomainTasks:
     def close(self) -> None:
         if self._owns_env:
             self.env.close()
+
+
+def env_kwargs(cfg: Any) -> dict[str, dict[str, Any]]:
+    """{domain: constructor keywords} for every domain of cfg.rl.domains, from `rl.env.<domain>` (missing
+    block or domain: {}), checked by `envs.registry.check_kwargs` and given as plain values. Every block of
+    `rl.env` is checked, also one for a domain not in rl.domains (a misspelt domain name is an error)."""
+    blocks = cfg.rl.get("env", None) or {}
+    checked = {name: registry.check_kwargs(name, blocks[name]) for name in blocks}
+    return {d: checked.get(d, {}) for d in cfg.rl.domains}
+
+
+def domain_levels(cfg: Any, domain: str) -> tuple[int, ...] | None:
+    """cfg.rl.levels[domain] as a tuple, None when the config names no levels for `domain` (all levels)."""
+    levels = cfg.rl.get("levels", None) or {}
+    return tuple(levels[domain]) if domain in levels else None
+
+
+def fits_prompt(task: Task, tokenizer: Any, cfg: Any) -> bool:
+    """Whether the task's formatted prompt (`rl.rollout.format_prompt`, rl.chat) has at most
+    rl.max_prompt_len tokens."""
+    from rl import rollout  # imports JAX: only here, so the streams stay JAX-free
+
+    return len(rollout.format_prompt(task, tokenizer, chat=cfg.rl.chat)) <= cfg.rl.max_prompt_len
+
+
+def heldout_tasks(cfg: Any, tokenizer: Any) -> dict[str, list[Task]]:
+    """The held-out tasks of a run, shared by the trainer's evaluation and `python -m rl.evaluate`: per
+    domain of cfg.rl.domains, the first cfg.rl.eval.n_tasks distinct tasks (by id) of the domain's eval
+    stream (seed rl.seed, levels rl.levels, options rl.env) whose prompt fits rl.max_prompt_len.
+
+    Raises ValueError when fewer fit in HELDOUT_DRAWS_PER_TASK * n_tasks draws."""
+    rl = cfg.rl
+    n = int(rl.eval.n_tasks)
+    kwargs = env_kwargs(cfg)
+    out = {}
+    for domain in rl.domains:
+        stream = DomainTasks(
+            domain, seed=rl.seed, split="eval", levels=domain_levels(cfg, domain), env_kwargs=kwargs[domain]
+        )
+        tasks: dict[str, Task] = {}
+        try:
+            for _ in range(HELDOUT_DRAWS_PER_TASK * n):
+                if len(tasks) == n:
+                    break
+                task = stream.next_tasks(1)[0]
+                if task.id not in tasks and fits_prompt(task, tokenizer, cfg):
+                    tasks[task.id] = task
+        finally:
+            stream.close()
+        if len(tasks) < n:
+            raise ValueError(
+                f"{domain}: only {len(tasks)} distinct held-out tasks of rl.eval.n_tasks={n} have a prompt "
+                f"that fits rl.max_prompt_len={rl.max_prompt_len} tokens (in {HELDOUT_DRAWS_PER_TASK * n} "
+                "draws); raise rl.max_prompt_len or lower rl.eval.n_tasks (or give more test data)"
+            )
+        out[domain] = list(tasks.values())
+    return out
 
 
 class TaskMixer:

@@ -18,8 +18,13 @@ domains run up to `max_turns` model turns) and reports, per domain:
     prefix_cache_hit_rate        engine prefix-cache hits over lookups, counted during this domain's rollout
 
 The CLI reads the run's config (`<workdir>/config.json`, written by `rl.train`) and its latest checkpoint
-(or `--step`), draws `--n_tasks` held-out tasks per domain (`rl.data.DomainTasks(split="eval")`, the
-trainer's eval split), prints `format_table` and writes `<workdir>/eval.json`.
+(or `--step`), scores the run's held-out tasks (`rl.data.heldout_tasks`: the very tasks of the trainer's
+`eval_before.json` / `eval_after.json`, with the run's rl.levels, rl.env options and prompt-length filter),
+prints `format_table` and writes `<workdir>/eval.json`. With no flag overridden it samples like the
+trainer's evaluation (seed `EVAL_SEED`, rl.eval.k, rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens),
+so its numbers are those of the run's `eval_after.json` for the final checkpoint (rl.engine.draft="none":
+a speculative drafter keeps the distribution, not the draws). `--domains` / `--n_tasks` change the
+selection as they would have changed the trainer's.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 from envs import STATUSES, EnvPool, Score, Task
 
 EVAL_FILE = "eval.json"
+EVAL_SEED = 12345  # the sampling seed of the held-out evaluation, here and in rl.train
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -211,16 +217,32 @@ def load_run_config(workdir: str) -> Any:
         return ml_collections.ConfigDict(json.load(f))
 
 
-def heldout_tasks(domains: Sequence[str], n_tasks: int, seed: int) -> dict[str, list[Task]]:
-    """The first `n_tasks` of each domain's eval split (the trainer's held-out tasks)."""
-    from rl import data
+def with_overrides(
+    cfg: Any,
+    *,
+    domains: Sequence[str] | None = None,
+    n_tasks: int | None = None,
+    k: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+) -> Any:
+    """A copy of the run's config with the CLI's overrides (unset ones keep the run's value)."""
+    import copy
 
-    out = {}
-    for domain in domains:
-        stream = data.DomainTasks(domain, seed=seed, split="eval")
-        out[domain] = stream.next_tasks(n_tasks)
-        stream.close()
-    return out
+    cfg = copy.deepcopy(cfg)
+    rl = cfg.rl
+    with cfg.unlocked():
+        if domains:
+            rl.domains = tuple(domains)
+        if n_tasks:
+            rl.eval.n_tasks = n_tasks
+        if k:
+            rl.eval.k = k
+        if temperature is not None:
+            rl.temperature = temperature
+        if max_new_tokens:
+            rl.max_new_tokens = max_new_tokens
+    return cfg
 
 
 def run(
@@ -233,28 +255,32 @@ def run(
     step: int | None = None,
     temperature: float | None = None,
     max_new_tokens: int | None = None,
-    seed: int = 12345,
+    seed: int = EVAL_SEED,
     out: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluates the checkpoint of `workdir` (latest, or `step`); writes and returns {"step", "results"}.
-    Unset arguments come from the run's config (`cfg`, else `<workdir>/config.json`)."""
+    """Evaluates the checkpoint of `workdir` (latest, or `step`) on the run's held-out tasks; writes and
+    returns {"step", "results"}. Unset arguments come from the run's config (`cfg`, else
+    `<workdir>/config.json`)."""
+    from rl import data
+
     cfg = cfg if cfg is not None else load_run_config(workdir)
+    cfg = with_overrides(
+        cfg, domains=domains, n_tasks=n_tasks, k=k, temperature=temperature, max_new_tokens=max_new_tokens
+    )
     rl = cfg.rl
-    domains = list(domains or rl.domains)
-    n_tasks = n_tasks or rl.eval.n_tasks
-    k = k or rl.eval.k
-    max_new_tokens = max_new_tokens or rl.max_new_tokens
-    tasks = heldout_tasks(domains, n_tasks, rl.seed)
+    env_kwargs = data.env_kwargs(cfg)  # checked before any worker starts
     # The pool forks its workers before JAX creates any array (envs/pool.py).
-    with EnvPool(rl.env_workers, domains=domains, timeout_s=rl.env_timeout_s) as pool:
-        from inference import Engine, EngineConfig, SamplingParams
+    with EnvPool(rl.env_workers, domains=env_kwargs, timeout_s=rl.env_timeout_s) as pool:
+        from inference import Engine
         from model.tokenizer import load_tokenizer
-        from rl import checkpoint, rollout, train_step
+        from rl import checkpoint, rollout, train_step, validate
 
         tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
+        tasks = data.heldout_tasks(cfg, tokenizer)
         _, state = train_step.init_state(cfg, seed=rl.seed)
         ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1)
+        # The model config rl.train checkpoints with: a checkpoint of another model is refused, by field.
+        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model)
         try:
             restored = ckpt.restore(step, target_state=state)
         finally:
@@ -262,21 +288,17 @@ def run(
         if restored is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first (python -m rl.train ...)")
         state, meta = restored
-        prompts = [rollout.format_prompt(t, tokenizer, chat=rl.chat) for ts in tasks.values() for t in ts]
-        longest = max(map(len, prompts))
-        page = rl.engine.page_size
-        max_seq_len = -(-max(cfg.seq_len, longest + max_new_tokens) // page) * page
-        engine = Engine(cfg, state.params, EngineConfig.from_config(dict(rl.engine, max_seq_len=max_seq_len)))
-        sampling = SamplingParams(
-            temperature=rl.temperature if temperature is None else temperature,
-            top_k=rl.top_k,
-            top_p=rl.top_p,
-            max_new_tokens=max_new_tokens,
-            stop_tokens=tuple(tokenizer.stop_ids),
-            seed=seed,
-        )
+        engine = Engine(cfg, state.params, validate.engine_config(cfg))
+        sampling = rollout.sampling_params(rl, tokenizer, seed=seed)
         results = evaluate(
-            engine, pool, tokenizer, tasks, k=k, sampling=sampling, max_turns=rl.max_turns, chat=rl.chat
+            engine,
+            pool,
+            tokenizer,
+            tasks,
+            k=rl.eval.k,
+            sampling=sampling,
+            max_turns=rl.max_turns,
+            chat=rl.chat,
         )
     report = {"step": meta.get("step"), "results": results}
     out = out or os.path.join(workdir, EVAL_FILE)

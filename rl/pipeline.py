@@ -29,9 +29,11 @@ from typing import Any
 class RolloutBatch:
     """What the producer hands the trainer."""
 
-    batch: dict[str, Any]  # the train step's arrays
-    version: int  # oldest policy version that sampled a token of it
-    metrics: dict[str, float]
+    batch: dict[str, Any] | None  # the train step's arrays (None: no group had a reward signal)
+    version: int  # oldest policy version that sampled a model token of it
+    metrics: dict[str, float]  # for dashboards
+    domains: dict[str, Any] = dataclasses.field(default_factory=dict)  # domain -> rollout.DomainDraw
+    samples: list[Any] = dataclasses.field(default_factory=list)  # a few episodes, for samples.jsonl
     generation_s: float = 0.0
 
 

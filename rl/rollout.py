@@ -69,10 +69,43 @@ class Sample:
     sandbox_seconds: float = 0.0
     episode_done: bool = True
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    expert_indices: np.ndarray | None = None  # [L_moe, len(prompt_tokens + tokens), k] when recorded
 
     @property
     def num_generated(self) -> int:
         return int(sum(self.mask))
+
+    @property
+    def version(self) -> int | None:
+        """The oldest policy version that sampled one of its model tokens (observation tokens, version -1,
+        do not count), or None when the engine reported none."""
+        return min((v for v, m in zip(self.policy_versions, self.mask) if m and v >= 0), default=None)
+
+
+@dataclasses.dataclass
+class DomainDraw:
+    """Every sample drawn for one domain in one batch, kept or filtered: the curriculum's reward, compute."""
+
+    samples: int = 0
+    reward_sum: float = 0.0
+    tokens: int = 0
+    sandbox_seconds: float = 0.0
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / max(self.samples, 1)
+
+    def add(self, sample: Sample) -> None:
+        self.samples += 1
+        self.reward_sum += sample.reward
+        self.tokens += sample.num_generated
+        self.sandbox_seconds += sample.sandbox_seconds
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 31-bit seed from any parts (the user's seed of any size, a counter, a name): sampling keys are
+    built from int32 seeds, so derived seeds are hashed into that range, never computed by arithmetic."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
 def format_prompt(task: Task, tokenizer: Tokenizer, *, chat: bool) -> list[int]:
@@ -144,6 +177,7 @@ class _Episode:
     seconds: float = 0.0
     done: bool = False
     score: Score | None = None
+    experts: np.ndarray | None = None  # the last turn's record covers the whole context
 
     def add_completion(self, completion: Any, tokenizer: Tokenizer, stop_tokens: Collection[int]) -> None:
         toks = [int(t) for t in completion.tokens]
@@ -156,6 +190,7 @@ class _Episode:
         stopped = completion.finish_reason == "stop" and bool(toks) and toks[-1] in stop_tokens
         self.last_stop = toks[-1] if stopped else None
         self.actions.append(tokenizer.decode(toks[:-1] if stopped else toks))
+        self.experts = getattr(completion, "expert_indices", None)
 
     def add_observation(self, text: str, toks: list[int]) -> None:
         self.observations.append(text)
@@ -174,12 +209,13 @@ class _Episode:
             sandbox_seconds=seconds,
             episode_done=self.done,
             details=dict(score.details),
+            expert_indices=self.experts,
         )
 
 
 def _turn_seed(seed: int, turn: int, task_id: str, index: int) -> int:
     """A deterministic per-(turn, task, sample) seed for continuation turns (each is its own request)."""
-    return zlib.crc32(f"{seed}:{turn}:{task_id}:{index}".encode()) & 0x7FFFFFFF
+    return derive_seed(seed, turn, task_id, index)
 
 
 def rollout(
@@ -359,7 +395,9 @@ def make_batch(
     length_bucket: int = 64,
     max_len: int | None = None,
     row_multiple: int = 1,
+    rows: int | None = None,
     pad_id: int = 0,
+    routing: bool = False,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The `rl.train_step` batch (numpy) and statistics. Groups are `Sample.group`.
 
@@ -369,7 +407,12 @@ def make_batch(
     padding positions are 0. Truncation: with `max_len`, T is at most `max_len` and a longer row keeps its
     first `max_len` tokens (the end of its completion is dropped, reward and advantage unchanged); a prompt
     of `max_len` tokens or more leaves nothing to train on and is an error. Rows are padded with empty rows
-    (mask 0, advantage 0) to a multiple of `row_multiple` (e.g. data shards times micro-batches).
+    (mask 0, advantage 0) to a multiple of `row_multiple` (e.g. data shards times micro-batches), or to
+    exactly `rows` (the trainer's fixed [rows, max_len] shape: `length_bucket=max_len`).
+
+    `routing=True` adds `expert_indices` [L_moe, B, T, k] int32: each sample's recorded routing
+    (`Sample.expert_indices`) at its token positions, and experts 0..k-1 at padding (positions after a
+    row's end, which no trained logit attends to).
     """
     if not samples:
         raise ValueError("make_batch needs at least one sample")
@@ -381,6 +424,10 @@ def make_batch(
     t = -(-max(lengths) // length_bucket) * length_bucket
     t = t if max_len is None else min(t, max_len)
     b = -(-len(samples) // row_multiple) * row_multiple
+    if rows is not None:
+        if len(samples) > rows:
+            raise ValueError(f"{len(samples)} samples do not fit a batch of rows={rows}")
+        b = rows
     tokens_BT = np.full((b, t), pad_id, np.int32)
     mask_BT = np.zeros((b, t), np.float32)
     logp_BT = np.zeros((b, t), np.float32)
@@ -398,7 +445,24 @@ def make_batch(
         "advantages_B": advantages_B,
         "behaviour_logp_BT": logp_BT,
     }
+    if routing:
+        batch["expert_indices"] = _routing_batch(samples, b, t)
     return batch, _stats(samples, lengths, t, mask_BT, advantages_B)
+
+
+def _routing_batch(samples: Sequence[Sample], b: int, t: int) -> np.ndarray:
+    missing = [i for i, s in enumerate(samples) if s.expert_indices is None]
+    if missing:
+        raise ValueError(
+            f"samples {missing[:5]} carry no expert_indices; routing replay needs an engine built with "
+            "EngineConfig(record_routing=True) (rl.routing_replay turns it on)"
+        )
+    num_layers, _, k = samples[0].expert_indices.shape
+    out_LBTk = np.broadcast_to(np.arange(k, dtype=np.int32), (num_layers, b, t, k)).copy()
+    for r, s in enumerate(samples):
+        n = min(s.expert_indices.shape[1], t)
+        out_LBTk[:, r, :n] = s.expert_indices[:, :n]
+    return out_LBTk
 
 
 def _stats(samples, lengths, t, mask_BT, advantages_B) -> dict[str, float]:
@@ -449,16 +513,18 @@ def collect(
     min_group_size: int = 2,
     reward_tol: float = 1e-6,
     **rollout_kwargs: Any,
-) -> tuple[list[Sample], dict[str, int]]:
+) -> tuple[list[Sample], dict[str, int], dict[str, DomainDraw]]:
     """Rolls out `next_tasks(k)` (k = groups still missing) round after round until `groups` valid groups
-    (after `filter_samples`) are in or `max_attempts` rounds have run. Round a samples with seed
-    `sampling.seed + a`. Returns the kept samples (group ids unique across rounds) and the summed filter
-    counts plus `rounds`, `groups_requested`, `groups_collected`, `groups_missing` (0 when complete) and
+    (after `filter_samples`) are in or `max_attempts` rounds have run. Round 0 samples with
+    `sampling.seed`, round a > 0 with `derive_seed(seed, "round", a)`. Returns the kept samples (group ids
+    unique across rounds) and the summed filter counts plus `rounds`, `groups_requested`,
+    `groups_collected`, `groups_missing` (0 when complete) and
     `surplus_groups` (valid groups beyond `groups`, from `next_tasks` returning more than asked, dropped),
-    and per domain over every sample drawn, filtered or not: `all_samples/<d>`, `all_reward_sum/<d>`,
-    `all_tokens/<d>`, `all_sandbox_seconds/<d>` (the curriculum's reward and compute)."""
+    and per domain a `DomainDraw` over every sample drawn, filtered or not (the curriculum's reward and
+    compute: a kept-only reward would be biased toward 1/2)."""
     kept: list[Sample] = []
     counts: Counter[str] = Counter()
+    drawn: dict[str, DomainDraw] = defaultdict(DomainDraw)
     have, next_group = 0, 0
     for attempt in range(max_attempts):
         if have >= groups:
@@ -467,7 +533,8 @@ def collect(
         counts["rounds"] += 1
         if not tasks:
             break
-        round_sampling = dataclasses.replace(sampling, seed=sampling.seed + attempt)
+        round_seed = sampling.seed if attempt == 0 else derive_seed(sampling.seed, "round", attempt)
+        round_sampling = dataclasses.replace(sampling, seed=round_seed)
         samples = rollout(
             engine,
             pool,
@@ -480,15 +547,7 @@ def collect(
         )
         next_group += len(tasks)
         for s in samples:  # every sample's reward and compute, kept or not (for the curriculum)
-            d = s.task.domain
-            counts.update(
-                {
-                    f"all_samples/{d}": 1,
-                    f"all_reward_sum/{d}": s.reward,
-                    f"all_tokens/{d}": s.num_generated,
-                    f"all_sandbox_seconds/{d}": s.sandbox_seconds,
-                }
-            )
+            drawn[s.task.domain].add(s)
         good, c = filter_samples(samples, group_size=n, min_group_size=min_group_size, reward_tol=reward_tol)
         counts.update(c)
         room = set(sorted({s.group for s in good})[: groups - have])
@@ -496,4 +555,23 @@ def collect(
         kept += [s for s in good if s.group in room]
         have += len(room)
     counts.update(groups_requested=groups, groups_collected=have, groups_missing=groups - have)
-    return kept, dict(counts)
+    return kept, dict(counts), dict(drawn)
+
+
+def sampling_params(
+    rl_cfg: Any, tokenizer: Tokenizer, *, seed: int, n: int = 1, **changes: Any
+) -> SamplingParams:
+    """The one place the main job's config becomes `SamplingParams` (rollout, evaluation, rl.evaluate):
+    rl.temperature / top_k / top_p / max_new_tokens, the tokenizer's stop ids, `seed` (31-bit, see
+    `derive_seed`) and `n`; `changes` override (e.g. an evaluation's temperature)."""
+    fields = dict(
+        temperature=float(rl_cfg.temperature),
+        top_k=int(rl_cfg.top_k),
+        top_p=float(rl_cfg.top_p),
+        max_new_tokens=int(rl_cfg.max_new_tokens),
+        n=n,
+        seed=seed,
+        stop_tokens=tuple(tokenizer.stop_ids),
+    )
+    fields.update(changes)
+    return SamplingParams(**fields)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -74,18 +74,28 @@ def run_sft(
     chat: bool = False,
     noise: float = 0.0,
     seed: int = 0,
+    start: int = 0,
+    should_stop: Callable[[], bool] | None = None,
+    env_kwargs: Mapping[str, Mapping] | None = None,
 ):
-    """`steps` SFT updates on fresh tasks each step; returns the new state."""
+    """SFT updates `start`..`steps - 1` on fresh tasks each step; returns (state, steps done). Stops early
+    when `should_stop()` turns true (a preemption: the caller saves and resumes from the count). Step i's
+    noise draws come from (seed, i), so a resumed run makes the same examples."""
     from rl import train_step
 
     step_fn = train_step.make_sft_step(cfg, model_def)
     envs_by_domain: dict[str, object] = {}
-    rng = np.random.default_rng(seed)
-    for i in range(steps):
+    env_kwargs = env_kwargs or {}
+    for i in range(start, steps):
+        if should_stop is not None and should_stop():
+            return state, i
+        rng = np.random.default_rng([seed, i])
         tasks = next_tasks(rows)
         examples = []
         for task in tasks:
-            env = envs_by_domain.setdefault(task.domain, registry.make(task.domain))
+            if task.domain not in envs_by_domain:
+                envs_by_domain[task.domain] = registry.make(task.domain, **env_kwargs.get(task.domain, {}))
+            env = envs_by_domain[task.domain]
             examples.append(sft_example(task, env, tokenizer, chat=chat, noise=noise, rng=rng))
         t0 = time.perf_counter()
         state, metrics = step_fn(state, sft_batch(examples, rows, length))
@@ -93,7 +103,7 @@ def run_sft(
             metrics = {f"sft/{k}": float(v) for k, v in metrics.items()}
             metrics["sft/step_s"] = time.perf_counter() - t0
             log(i, metrics)
-    return state
+    return state, steps
 
 
 if __name__ == "__main__":

@@ -1,27 +1,31 @@
 """python -m rl.train --config=configs/grpo.py:tiny --workdir=runs/tiny
 
 The main job: GRPO post-training over task domains, one step as in ../DESIGN.md ("One GRPO step, as data").
+`train(cfg, workdir)` reads top to bottom in the order a run happens:
 
-Start: the environment pool starts first (worker processes, before JAX touches a device); the domains pass
-the quality gate or are refused; the train state is restored from `<workdir>/checkpoints` when one exists,
-else built and warm-started by SFT on reference solutions (`rl.sft`); the held-out evaluation runs once.
+1. Config, workdir, console: `rl.validate.validate` checks every field first (under a second, before any
+   process or array exists); library logs go to `<workdir>/log.txt`.
+2. Environments: the quality gate, the worker pool (started before JAX touches a device), the task streams
+   and the curriculum.
+3. Train state: restored from `<workdir>/checkpoints` when one exists, else built and warm-started by SFT
+   on reference solutions (the draft model, when there is one, learns from the same batches). SIGTERM or
+   Ctrl-C during SFT saves its progress; the next start resumes it.
+4. Reference (the step-0 policy, for rl.loss.kl_kind), drafter (rl.engine.draft) and the engine.
+5. The held-out evaluation (`rl.data.heldout_tasks`, the tasks `rl.evaluate` scores too).
+6. The loop, one rollout batch per step: batch (sampled, scored, filtered; in async mode by a producer
+   thread, at most rl.max_staleness versions behind) -> update (rl.ppo_epochs x rl.mini_batches optimizer
+   steps) -> weights to the engine (policy version + 1) -> draft distillation -> curriculum -> log ->
+   checkpoint. SIGTERM / Ctrl-C saves and exits at the next step boundary.
+7. Final checkpoint and evaluation: a before/after table of held-out accuracy per domain.
 
-Each step: the curriculum splits `rl.prompts_per_step` prompts over the domains; their task streams give
-the tasks; the engine samples `rl.group_size` completions each (with log-probs); the pool scores them;
-errored episodes and zero-variance groups are filtered out and back-filled; the batch trains one
-`rl.train_step` update; the new weights go to the engine (`update_params`, policy version + 1); the
-curriculum sees each domain's reward and compute. In async mode (`rl.async_rollout`) a producer thread
-samples ahead (`rl.pipeline`), at most `rl.max_staleness` versions behind.
-
-Every `rl.checkpoint_every` steps (and on SIGTERM) an orbax checkpoint stores the train state, the task
-streams' iterator states, the curriculum, the policy version and the step; a run killed with `kill -9` and
-restarted resumes from the last one (bit-identical in sync mode). Metrics go to `<workdir>/metrics.jsonl`
-(and TensorBoard); the run ends with a before/after table of held-out accuracy per domain.
+A run killed with `kill -9` resumes from its last checkpoint (bit-identical in sync mode). Metrics go to
+`<workdir>/metrics.jsonl` (and TensorBoard), a few episodes per step to `<workdir>/samples.jsonl`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -32,6 +36,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py:tiny", "GRPO config file.")
@@ -40,295 +45,495 @@ _SFT_ONLY = flags.DEFINE_boolean("sft_only", False, "Run the SFT warm start, sav
 _EVAL = flags.DEFINE_boolean("eval", True, "Evaluate held-out tasks before and after training.")
 
 
-def pad_batch(batch: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:
-    """Pads (or left-trims, keeping the completion end) every [B, T] array to [rows, length] and [B] to
-    [rows], so the train step compiles once. Padding rows have mask 0 and advantage 0."""
-    out = {}
-    for key, a in batch.items():
-        if a.ndim == 1:
-            out[key] = np.zeros((rows,), a.dtype)
-            out[key][: min(len(a), rows)] = a[:rows]
-        elif a.ndim == 2:
-            a = a[:rows, -length:] if a.shape[1] > length else a[:rows]
-            out[key] = np.zeros((rows, length), a.dtype)
-            out[key][: a.shape[0], : a.shape[1]] = a
-        else:
-            out[key] = a
-    if "positions_BT" in out:
-        out["positions_BT"] = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
+class Preempted(Exception):
+    """Raised by the signal handler while an evaluation runs: there is nothing to save mid-evaluation."""
+
+
+def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) the job; returns {"before", "after", "steps", "engine"} (+ "preempted")."""
+    import envs
+    from envs import qa
+    from model.tokenizer import load_tokenizer
+    from rl import checkpoint, curriculum, data, metrics, pipeline, rollout, train_step, validate
+
+    # ---- Config, workdir, console -----------------------------------------------------------------------
+    validate.validate(cfg)
+    rl = cfg.rl
+    with cfg.unlocked():  # derived sizes follow the rl fields (command-line overrides change those)
+        cfg.batch_size = rl.prompts_per_step * rl.group_size
+        cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2))
+    env_kwargs = data.env_kwargs(cfg)
+
+    # ---- Environments: gate, pool (before JAX touches a device), task streams, curriculum -----------------
+    domains = list(rl.domains)
+    if rl.quality_gate:
+        domains = curriculum.admit_domains(domains, gate=lambda d: qa.run_checks(d, n=rl.quality_gate_n))
+    pool = envs.EnvPool(
+        rl.env_workers, domains={d: env_kwargs.get(d, {}) for d in domains}, timeout_s=rl.env_timeout_s
+    )
+    phase = _Phase()
+    handle = checkpoint.install_preemption_handler(phase.on_signal)
+    logger = ckpt = None
+    try:
+        tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
+        levels = lambda d: tuple(rl.levels[d]) if d in rl.levels else None
+        streams = data.TaskMixer(
+            {
+                d: data.DomainTasks(
+                    d, seed=rl.seed, split="train", levels=levels(d), env_kwargs=env_kwargs.get(d)
+                )
+                for d in domains
+            }
+        )
+        kwargs = {"static_weights": dict(rl.static_weights) or None} if rl.curriculum == "static" else {}
+        scheduler = curriculum.DomainScheduler(
+            domains, mode=rl.curriculum, floor=rl.curriculum_floor, seed=rl.seed, **kwargs
+        )
+        source = _TaskSource(cfg, streams, scheduler, tokenizer)
+        logger = metrics.MetricsLogger(workdir, tensorboard=rl.tensorboard or False, total_steps=rl.steps)
+        ckpt = checkpoint.Checkpointer(
+            os.path.join(workdir, "checkpoints"),
+            save_every=rl.checkpoint_every,
+            max_to_keep=rl.max_to_keep,
+            model_config=cfg.model,
+        )
+
+        # ---- Train state: restore, or build and warm-start by SFT ------------------------------------------
+        draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
+        model_def, state = train_step.init_state(cfg, seed=rl.seed)
+        draft_def, draft_state = (None, None) if draft_cfg is None else _sft_state(draft_cfg, rl.seed)
+        ref_params = _reference(state.params, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
+        start_step, version, sft_done = 0, 0, 0
+        meta = ckpt.read_meta()
+        if meta is not None:
+            sft_done = meta.get("sft_step", rl.sft.steps)
+            in_sft = sft_done < rl.sft.steps
+            if in_sft:
+                _, state = _sft_state(cfg, rl.seed, params=state.params)
+            target = _pack(state, None if in_sft else ref_params, draft_state)
+            tree, meta = ckpt.restore(target_state=target)
+            state, restored_ref, draft_state = _unpack(tree)
+            ref_params = restored_ref if restored_ref is not None else ref_params
+            source.set_state(meta)
+            start_step, version = meta["step"], meta["version"]
+        if sft_done < rl.sft.steps:
+            state, draft_state, sft_done = _sft(
+                cfg,
+                state,
+                (draft_cfg, draft_def, draft_state),
+                source,
+                tokenizer,
+                logger,
+                handle,
+                start=sft_done,
+                resumed=meta is not None,
+                env_kwargs=env_kwargs,
+            )
+            if sft_done < rl.sft.steps:  # preempted: keep the progress, resume it next time
+                ckpt.save(
+                    0, _pack(state, None, draft_state), source.state(0, 0, sft_step=sft_done), force=True
+                )
+                ckpt.wait()
+                return {"steps": 0, "preempted": True}
+            model_def, state = train_step.init_state(cfg, seed=rl.seed, params=state.params)
+            if ref_params is not None:
+                ref_params = _reference(state.params, rl.reference_dtype)
+            ckpt.save(0, _pack(state, ref_params, draft_state), source.state(0, 0), force=True)
+        if sft_only:
+            ckpt.wait()
+            return {"steps": 0}
+
+        # ---- Reference, drafter, engine --------------------------------------------------------------------
+        from inference import Engine
+
+        engine_cfg = validate.engine_config(cfg)
+        engine = Engine(cfg, state.params, engine_cfg, draft=_drafter(rl.engine, draft_cfg, draft_state))
+        engine.version = version
+        engine.warmup()
+        update = train_step.make_grpo_update(cfg, model_def)
+        distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def)
+
+        # ---- Held-out evaluation ---------------------------------------------------------------------------
+        heldout = data.heldout_tasks(cfg, tokenizer) if run_eval else {}
+
+        def evaluate(tag: str, step: int) -> dict[str, Any]:
+            from rl import evaluate as evaluate_lib
+
+            sampling = rollout.sampling_params(rl, tokenizer, seed=evaluate_lib.EVAL_SEED)
+            with phase.interruptible():
+                results = evaluate_lib.evaluate(
+                    engine,
+                    pool,
+                    tokenizer,
+                    heldout,
+                    k=rl.eval.k,
+                    sampling=sampling,
+                    max_turns=rl.max_turns,
+                    chat=rl.chat,
+                )
+            with open(os.path.join(workdir, f"eval_{tag}.json"), "w") as f:
+                json.dump(results, f, indent=2, default=float)
+            logger.log(step, evaluate_lib.flatten(results), progress=False)
+            return results
+
+        before = None
+        try:
+            if run_eval and start_step == 0:
+                before = evaluate("before", 0)
+        except Preempted:
+            return {"steps": start_step, "preempted": True}
+
+        # ---- The loop: batch -> update -> weights to the engine -> draft -> curriculum -> log -> checkpoint
+        def produce() -> pipeline.RolloutBatch:
+            seed = rollout.derive_seed(rl.seed, "batch", source.next_batch_index())
+            version_now = engine.version
+            samples, counts, drawn = rollout.collect(
+                engine,
+                pool,
+                source.next_tasks,
+                tokenizer,
+                groups=rl.prompts_per_step,
+                n=rl.group_size,
+                sampling=rollout.sampling_params(rl, tokenizer, seed=seed, n=rl.group_size),
+                max_attempts=rl.max_attempts,
+                max_turns=rl.max_turns,
+                chat=rl.chat,
+                reward_tol=rl.reward_tol,
+            )
+            batch, stats = None, {}
+            if samples:  # else every group was filtered out: nothing to learn from this round
+                batch, stats = rollout.make_batch(
+                    samples,
+                    adv_std=rl.advantage_std,
+                    length_bucket=cfg.seq_len,
+                    max_len=cfg.seq_len,
+                    rows=cfg.batch_size,
+                    routing=rl.routing_replay,
+                )
+            versions = [s.version for s in samples if s.version is not None]
+            return pipeline.RolloutBatch(
+                batch,
+                min(versions, default=version_now),
+                _rollout_metrics(counts, stats, drawn, samples),
+                domains=drawn,
+                samples=samples[: rl.log_samples],
+            )
+
+        source.set_batch_index(start_step)
+        pipe = pipeline.Pipeline(
+            produce, asynchronous=rl.async_rollout, max_staleness=rl.max_staleness, max_queue=rl.max_queue
+        )
+        step, spec_before = start_step, _spec_counts(engine)
+        try:
+            while step < rl.steps:
+                if handle.requested:
+                    ckpt.save(step, _pack(state, ref_params, draft_state), source.state(step, engine.version))
+                    ckpt.wait()
+                    return {"steps": step, "preempted": True, "engine": engine.stats()}
+                item, step_metrics = pipe.get(engine.version)
+                t0 = time.perf_counter()
+                if item.batch is None:  # no group with a reward signal: no update this step
+                    step_metrics["train/skipped"] = 1.0
+                else:
+                    state, update_metrics = update(state, item.batch, ref_params=ref_params)
+                    step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
+                    engine.update_params(state.params)
+                    if distill is not None:
+                        draft_batch = {k: item.batch[k] for k in train_step.SFT_KEYS}
+                        for _ in range(rl.draft_train_steps):
+                            draft_state, dm = distill(draft_state, draft_batch)
+                        step_metrics["draft/cross_entropy"] = float(dm["cross_entropy"])
+                        engine.update_draft_params(draft_state.params)
+                step_metrics["pipeline/train_s"] = time.perf_counter() - t0
+                step += 1
+                step_metrics.update(item.metrics)
+                step_metrics.update(source.update_curriculum(step, item.domains))
+                if step % rl.log_every == 0 or step == rl.steps:
+                    spec_now = _spec_counts(engine)
+                    step_metrics.update(_spec_metrics(spec_before, spec_now))
+                    spec_before = spec_now
+                    logger.log(step, step_metrics)
+                    _log_samples(workdir, step, item.samples)
+                if ckpt.should_save(step):
+                    ckpt.save(step, _pack(state, ref_params, draft_state), source.state(step, engine.version))
+        finally:
+            pipe.close()
+
+        # ---- Final checkpoint and evaluation --------------------------------------------------------------
+        if ckpt.latest_step() != step:
+            ckpt.save(
+                step, _pack(state, ref_params, draft_state), source.state(step, engine.version), force=True
+            )
+        ckpt.wait()
+        after = None
+        try:
+            after = evaluate("after", step) if run_eval else None
+        except Preempted:
+            return {"steps": step, "preempted": True, "engine": engine.stats()}
+        if before is not None and after is not None:
+            print(format_comparison(before, after), flush=True)
+        return {"before": before, "after": after, "steps": step, "engine": engine.stats()}
+    finally:
+        handle.close()
+        for part in (ckpt, logger):
+            if part is not None:
+                part.close()
+        pool.close()
+
+
+# ---- Parts of the run ------------------------------------------------------------------------------------
+
+
+class _Phase:
+    """What a signal does now: in an evaluation it raises `Preempted` (nothing to save there); elsewhere the
+    preemption handle's flag is read at the next step boundary."""
+
+    def __init__(self):
+        self._interruptible = False
+
+    def on_signal(self, signum: int) -> None:
+        if self._interruptible:
+            raise Preempted(signum)
+
+    def interruptible(self):
+        phase = self
+
+        class _Scope:
+            def __enter__(self):
+                phase._interruptible = True
+
+            def __exit__(self, *exc):
+                phase._interruptible = False
+
+        return _Scope()
+
+
+class _TaskSource:
+    """Task streams and curriculum behind one lock (the async producer thread and the trainer share them):
+    tasks whose prompt fits rl.max_prompt_len, the batch counter, and their checkpointed state."""
+
+    def __init__(self, cfg, streams, scheduler, tokenizer):
+        self.cfg, self.streams, self.scheduler, self.tokenizer = cfg, streams, scheduler, tokenizer
+        self.lock = threading.Lock()
+        self.skipped_long = 0
+        self._batch_index = 0
+
+    def next_tasks(self, n: int, weights: dict[str, float] | None = None) -> list:
+        """n tasks split over the domains by the curriculum (or `weights`), skipping (and counting) tasks
+        whose prompt is longer than rl.max_prompt_len tokens."""
+        from rl import data
+
+        out = []
+        with self.lock:
+            for _ in range(64):
+                want = n - len(out)
+                allocation = _split(want, weights) if weights else self.scheduler.allocate(want)
+                for task in self.streams.next_tasks(allocation):
+                    if data.fits_prompt(task, self.tokenizer, self.cfg):
+                        out.append(task)
+                    else:
+                        self.skipped_long += 1
+                if len(out) == n:
+                    return out
+        raise ValueError(
+            f"rl.max_prompt_len={self.cfg.rl.max_prompt_len} is shorter than nearly every prompt of "
+            f"{self.cfg.rl.domains}; raise it (seq_len = max_prompt_len + max_new_tokens follows)."
+        )
+
+    def next_batch_index(self) -> int:
+        with self.lock:
+            self._batch_index += 1
+            return self._batch_index - 1
+
+    def set_batch_index(self, index: int) -> None:
+        self._batch_index = index
+
+    def update_curriculum(self, step: int, draws: dict) -> dict[str, float]:
+        with self.lock:
+            for d, draw in draws.items():
+                self.scheduler.update(
+                    d,
+                    step=step,
+                    mean_reward=draw.mean_reward,
+                    tokens_generated=float(draw.tokens),
+                    sandbox_seconds=draw.sandbox_seconds,
+                )
+            out = {f"weight/{d}": w for d, w in self.scheduler.weights().items()}
+        out["rollout/skipped_long_prompts"] = float(self.skipped_long)
+        return out
+
+    def state(self, step: int, version: int, **extra) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "step": step,
+                "version": version,
+                "streams": self.streams.get_state(),
+                "curriculum": self.scheduler.state_dict(),
+                **extra,
+            }
+
+    def set_state(self, meta: dict[str, Any]) -> None:
+        self.streams.set_state(meta["streams"])
+        self.scheduler.load_state_dict(meta["curriculum"])
+
+
+def _sft_state(cfg, seed: int, *, params=None):
+    """(model def, train state) with the SFT optimizer (rl.sft.optim over rl.optim)."""
+    from rl import train_step
+
+    sft_cfg = ml_collections.ConfigDict(cfg.to_dict())
+    sft_cfg.rl.optim.update(dict(cfg.rl.sft.optim))
+    return train_step.init_state(sft_cfg, seed=seed, params=params)
+
+
+def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed, env_kwargs):
+    """The warm start: rl.sft.steps supervised steps from `start` (the policy, and the draft model on the
+    same batches). Returns (state, draft_state, steps done); fewer than rl.sft.steps when preempted."""
+    from rl import sft
+
+    rl = cfg.rl
+    draft_cfg, draft_def, draft_state = draft
+    sft_cfg = ml_collections.ConfigDict(cfg.to_dict())
+    sft_cfg.rl.optim.update(dict(rl.sft.optim))
+    if not resumed:  # a fresh state: SFT has its own optimizer settings
+        _, state = _sft_state(cfg, rl.seed, params=state.params)
+    sft_def, _ = _sft_state(cfg, rl.seed, params=state.params)
+    weights = {d: float(w) for d, w in rl.sft.weights.items()} or None
+    t0 = time.perf_counter()
+
+    def log(i: int, m: dict) -> None:
+        logger.log(i, m, progress=False)
+        if (i + 1) % 100 == 0 or i + 1 == rl.sft.steps:
+            ce = m.get("sft/cross_entropy", float("nan"))
+            print(f"sft {i + 1}/{rl.sft.steps} | cross-entropy {ce:.4f}", file=sys.stderr, flush=True)
+
+    common = dict(
+        steps=rl.sft.steps,
+        rows=rl.sft.rows,
+        length=cfg.seq_len,
+        chat=rl.chat,
+        noise=rl.sft.noise,
+        seed=rl.seed,
+        start=start,
+        should_stop=lambda: handle.requested,
+        env_kwargs=env_kwargs,
+    )
+    batches = []  # the draft model learns from the same tasks: record them for it
+    next_tasks = lambda n: _recorded(batches, source.next_tasks(n, weights))
+    state, done = sft.run_sft(sft_cfg, sft_def, state, next_tasks, tokenizer, log=log, **common)
+    if draft_state is not None:
+        replay = iter(batches)
+        draft_sft = ml_collections.ConfigDict(draft_cfg.to_dict())
+        draft_sft.rl.optim.update(dict(rl.sft.optim))
+        draft_state, _ = sft.run_sft(
+            draft_sft,
+            draft_def,
+            draft_state,
+            lambda n: next(replay),
+            tokenizer,
+            **{**common, "steps": done, "should_stop": None},
+        )
+    logger.log(0, {"sft/seconds": time.perf_counter() - t0}, progress=False)
+    return state, draft_state, done
+
+
+def _recorded(batches: list, tasks: list) -> list:
+    batches.append(tasks)
+    return tasks
+
+
+def _reference(params, dtype: str):
+    """A frozen copy of `params` (the step-0 policy) in `dtype` ("" keeps theirs)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda p: jnp.array(p, dtype=dtype or p.dtype, copy=True), params)
+
+
+def _pack(state, ref_params, draft_state):
+    """The checkpointed tree: the train state alone, or with the reference and the draft state."""
+    if ref_params is None and draft_state is None:
+        return state
+    tree = {"train": state}
+    if ref_params is not None:
+        tree["reference"] = ref_params
+    if draft_state is not None:
+        tree["draft"] = draft_state
+    return tree
+
+
+def _unpack(tree):
+    if not isinstance(tree, dict):
+        return tree, None, None
+    return tree["train"], tree.get("reference"), tree.get("draft")
+
+
+def _drafter(engine_cfg, draft_cfg, draft_state):
+    from inference import GroupDrafter, ModelDrafter, NgramDrafter
+
+    kind = engine_cfg.draft
+    if kind == "ngram":
+        return NgramDrafter(engine_cfg.draft_ngram)
+    if kind == "group":
+        return GroupDrafter(engine_cfg.draft_ngram)
+    if kind == "model":
+        return ModelDrafter(draft_cfg, draft_state.params)
+    return None
+
+
+def _rollout_metrics(counts, stats, drawn, samples) -> dict[str, float]:
+    """Dashboard metrics of one rollout batch (names for people; the curriculum reads `drawn`)."""
+    out = {f"rollout/{k}": float(v) for k, v in {**counts, **stats}.items() if _is_number(v)}
+    total = sum(d.samples for d in drawn.values())
+    if total:
+        out["reward"] = sum(d.reward_sum for d in drawn.values()) / total
+    for d, draw in drawn.items():
+        out[f"reward/{d}"] = draw.mean_reward
+        out[f"tokens/{d}"] = float(draw.tokens)
+        out[f"sandbox_seconds/{d}"] = draw.sandbox_seconds
+    if samples:
+        out["kept_reward"] = float(np.mean([s.reward for s in samples]))
+    for d in sorted({s.task.domain for s in samples}):
+        out[f"kept_ok/{d}"] = float(np.mean([s.status == "ok" for s in samples if s.task.domain == d]))
     return out
 
 
-class Run:
-    """The parts of one training run, built in start order (see the module docstring)."""
+_SPEC_COUNTS = ("generated_tokens", "target_row_forwards", "proposed_tokens", "accepted_tokens")
 
-    def __init__(self, cfg, workdir: str):
-        import envs
-        from rl import curriculum, data
 
-        self.cfg, self.workdir, rl = cfg, workdir, cfg.rl
-        # Derived sizes follow the rl fields (command-line overrides change those, not these).
-        with cfg.unlocked():
-            cfg.batch_size = rl.prompts_per_step * rl.group_size
-            cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(cfg.to_json_best_effort(indent=2))
-        domains = list(rl.domains)
-        if rl.quality_gate:
-            from envs import qa
+def _spec_counts(engine) -> dict[str, float]:
+    stats = engine.stats()
+    return {k: float(stats.get(k, 0)) for k in _SPEC_COUNTS}
 
-            domains = curriculum.admit_domains(domains, gate=lambda d: qa.run_checks(d, n=rl.quality_gate_n))
-        self.domains = domains
-        self.pool = envs.EnvPool(rl.env_workers, domains=domains, timeout_s=rl.env_timeout_s)
-        self.streams = data.TaskMixer({d: self._stream(d, "train") for d in domains})
-        kwargs = {"static_weights": dict(rl.static_weights) or None} if rl.curriculum == "static" else {}
-        self.scheduler = curriculum.DomainScheduler(
-            domains, mode=rl.curriculum, floor=rl.curriculum_floor, seed=rl.seed, **kwargs
-        )
-        self.lock = threading.Lock()  # streams and scheduler: producer thread vs trainer thread
-        self.skipped_long = 0
 
-    def start_model(self, *, sft_only: bool = False):
-        """Train state (restored or fresh + SFT) and the engine over its params."""
-        from inference import Engine, EngineConfig
-        from model.tokenizer import load_tokenizer
-        from rl import checkpoint, metrics, train_step
+def _spec_metrics(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """Tokens per target forward and draft acceptance since the last log line."""
+    d = {k: now[k] - before[k] for k in _SPEC_COUNTS}
+    out = {"engine/tokens_per_target_forward": d["generated_tokens"] / max(d["target_row_forwards"], 1.0)}
+    if d["proposed_tokens"]:
+        out["engine/acceptance_rate"] = d["accepted_tokens"] / d["proposed_tokens"]
+    return out
 
-        cfg, rl = self.cfg, self.cfg.rl
-        self.tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
-        self.model_def, self.state = train_step.init_state(cfg, seed=rl.seed)
-        self.logger = metrics.MetricsLogger(
-            self.workdir, tensorboard=rl.tensorboard or False, total_steps=rl.steps
-        )
-        self.ckpt = checkpoint.Checkpointer(
-            os.path.join(self.workdir, "checkpoints"),
-            save_every=rl.checkpoint_every,
-            max_to_keep=rl.max_to_keep,
-        )
-        restored = self.ckpt.restore(target_state=self.state)
-        self.start_step, self.version = 0, 0
-        if restored is not None:
-            self.state, meta = restored
-            self.streams.set_state(meta["streams"])
-            self.scheduler.load_state_dict(meta["curriculum"])
-            self.start_step, self.version = meta["step"], meta["version"]
-        elif rl.sft.steps:
-            self._sft()
-        if sft_only:
-            return
-        ecfg = EngineConfig.from_config(dict(rl.engine, max_seq_len=cfg.seq_len))
-        self.engine = Engine(cfg, self.state.params, ecfg)
-        self.engine.version = self.version
-        self.engine.warmup()
 
-    def _sft(self) -> None:
-        from rl import sft
-
-        rl = self.cfg.rl
-        t0 = time.perf_counter()
-
-        from rl import train_step
-
-        weights = {d: float(w) for d, w in rl.sft.weights.items()} or None
-
-        def next_tasks(n):
-            return self.fitting_tasks(n, weights)
-
-        # SFT has its own optimizer settings (rl.sft.optim overrides rl.optim); GRPO then starts from the
-        # SFT parameters with a fresh optimizer state.
-        sft_cfg = ml_collections.ConfigDict(self.cfg.to_dict())
-        sft_cfg.rl.optim.update(dict(rl.sft.optim))
-        sft_def, sft_state = train_step.init_state(sft_cfg, seed=rl.seed, params=self.state.params)
-        sft_state = sft.run_sft(
-            sft_cfg,
-            sft_def,
-            sft_state,
-            next_tasks,
-            self.tokenizer,
-            steps=rl.sft.steps,
-            rows=rl.sft.rows,
-            length=self.cfg.seq_len,
-            log=self._log_sft,
-            chat=rl.chat,
-            noise=rl.sft.noise,
-            seed=rl.seed,
-        )
-        self.model_def, self.state = train_step.init_state(self.cfg, seed=rl.seed, params=sft_state.params)
-        self.logger.log(0, {"sft/seconds": time.perf_counter() - t0})
-        self.save(0, force=True)
-
-    def _stream(self, domain: str, split: str):
-        from rl import data
-
-        levels = self.cfg.rl.levels.get(domain)
-        return data.DomainTasks(
-            domain, seed=self.cfg.rl.seed, split=split, levels=tuple(levels) if levels else None
-        )
-
-    def _fits(self, task) -> bool:
-        from rl import rollout
-
-        prompt = rollout.format_prompt(task, self.tokenizer, chat=self.cfg.rl.chat)
-        return len(prompt) <= self.cfg.rl.max_prompt_len
-
-    def fitting_tasks(self, n: int, weights: dict[str, float] | None = None) -> list:
-        """n tasks split over the domains by the curriculum, skipping (and counting) tasks whose prompt is
-        longer than rl.max_prompt_len tokens."""
-        out = []
-        for _ in range(64):
-            want = n - len(out)
-            allocation = _split(want, weights) if weights else self.scheduler.allocate(want)
-            for task in self.streams.next_tasks(allocation):
-                if self._fits(task):
-                    out.append(task)
-                else:
-                    self.skipped_long += 1
-            if len(out) == n:
-                return out
-        raise ValueError(
-            f"rl.max_prompt_len={self.cfg.rl.max_prompt_len} is shorter than nearly every prompt of "
-            f"{self.domains}; raise it (seq_len = max_prompt_len + max_new_tokens follows)."
-        )
-
-    def _log_sft(self, i: int, metrics: dict) -> None:
-        self.logger.log(i, metrics, progress=False)
-        if (i + 1) % 100 == 0 or i + 1 == self.cfg.rl.sft.steps:
-            loss = metrics.get("sft/cross_entropy", float("nan"))
-            print(
-                f"sft {i + 1}/{self.cfg.rl.sft.steps} | cross-entropy {loss:.4f}", file=sys.stderr, flush=True
-            )
-
-    def save(self, step: int, *, force: bool = False) -> None:
-        if self.ckpt.latest_step() == step:
-            return
-        with self.lock:
-            meta = {
+def _log_samples(workdir: str, step: int, samples) -> None:
+    if not samples:
+        return
+    with open(os.path.join(workdir, "samples.jsonl"), "a") as f:
+        for s in samples:
+            record = {
                 "step": step,
-                "version": self.version,
-                "streams": self.streams.get_state(),
-                "curriculum": self.scheduler.state_dict(),
+                "domain": s.task.domain,
+                "task_id": s.task.id,
+                "prompt": s.task.prompt,
+                "text": s.text,
+                "reward": s.reward,
+                "status": s.status,
+                "metadata": s.task.metadata,
             }
-        self.ckpt.save(step, self.state, meta, force=force)
-
-    def make_batch(self):
-        """Producer: sample, score, filter and assemble one train batch (see the module docstring)."""
-        from inference import SamplingParams
-        from rl import pipeline, rollout
-
-        cfg, rl = self.cfg, self.cfg.rl
-        with self.lock:
-            seed = rl.seed * 1_000_003 + self._batches
-            self._batches += 1
-
-        def next_tasks(n):
-            with self.lock:
-                return self.fitting_tasks(n)
-
-        sampling = SamplingParams(
-            temperature=rl.temperature,
-            top_k=rl.top_k,
-            top_p=rl.top_p,
-            max_new_tokens=rl.max_new_tokens,
-            n=rl.group_size,
-            seed=seed,
-            stop_tokens=tuple(self.tokenizer.stop_ids),
-        )
-        samples, counts = rollout.collect(
-            self.engine,
-            self.pool,
-            next_tasks,
-            self.tokenizer,
-            groups=rl.prompts_per_step,
-            n=rl.group_size,
-            sampling=sampling,
-            max_attempts=rl.max_attempts,
-            max_turns=rl.max_turns,
-            chat=rl.chat,
-            reward_tol=rl.reward_tol,
-        )
-        if not samples:  # every group filtered out (e.g. all wrong): nothing to learn from this round
-            stats, batch = {}, None
-        else:
-            batch, stats = rollout.make_batch(
-                samples, adv_std=rl.advantage_std, length_bucket=rl.length_bucket, max_len=cfg.seq_len
-            )
-            batch = pad_batch(batch, cfg.batch_size, cfg.seq_len)
-        version = min((min(s.policy_versions, default=self.version) for s in samples), default=self.version)
-        metrics = {f"rollout/{k}": float(v) for k, v in {**counts, **stats}.items() if _is_number(v)}
-        metrics.update(_domain_metrics(samples))
-        total = sum(counts.get(f"all_samples/{d}", 0) for d in self.domains)
-        if total:
-            metrics["reward"] = sum(counts.get(f"all_reward_sum/{d}", 0.0) for d in self.domains) / total
-        for d in self.domains:  # the curriculum's view: every sample drawn this step, filtered or not
-            n = counts.get(f"all_samples/{d}", 0)
-            if n:
-                metrics[f"reward/{d}"] = counts[f"all_reward_sum/{d}"] / n
-                metrics[f"tokens/{d}"] = float(counts[f"all_tokens/{d}"])
-                metrics[f"sandbox_seconds/{d}"] = float(counts[f"all_sandbox_seconds/{d}"])
-        metrics["rollout/skipped_long_prompts"] = float(self.skipped_long)
-        return pipeline.RolloutBatch(batch, version, metrics)
-
-    def update_curriculum(self, step: int, metrics: dict[str, float]) -> None:
-        with self.lock:
-            for d in self.domains:
-                if f"reward/{d}" in metrics:
-                    self.scheduler.update(
-                        d,
-                        step=step,
-                        mean_reward=metrics[f"reward/{d}"],
-                        tokens_generated=metrics.get(f"tokens/{d}", 0.0),
-                        sandbox_seconds=metrics.get(f"sandbox_seconds/{d}", 0.0),
-                    )
-            return {f"weight/{d}": w for d, w in self.scheduler.weights().items()}
-
-    def _eval_tasks(self, stream) -> list:
-        """The first rl.eval.n_tasks held-out tasks whose prompt fits rl.max_prompt_len (the same tasks
-        before and after training)."""
-        out = []
-        for _ in range(64 * self.cfg.rl.eval.n_tasks):
-            task = stream.next_tasks(1)[0]
-            if self._fits(task):
-                out.append(task)
-                if len(out) == self.cfg.rl.eval.n_tasks:
-                    break
-        return out
-
-    def evaluate(self, tag: str) -> dict[str, Any]:
-        from inference import SamplingParams
-        from rl import evaluate
-
-        rl = self.cfg.rl
-        tasks = {d: self._eval_tasks(self._stream(d, "eval")) for d in self.domains}
-        sampling = SamplingParams(
-            temperature=rl.temperature,
-            top_k=rl.top_k,
-            top_p=rl.top_p,
-            max_new_tokens=rl.max_new_tokens,
-            stop_tokens=tuple(self.tokenizer.stop_ids),
-            seed=12345,
-        )
-        results = evaluate.evaluate(
-            self.engine,
-            self.pool,
-            self.tokenizer,
-            tasks,
-            k=rl.eval.k,
-            sampling=sampling,
-            max_turns=rl.max_turns,
-            chat=rl.chat,
-        )
-        with open(os.path.join(self.workdir, f"eval_{tag}.json"), "w") as f:
-            json.dump(results, f, indent=2, default=float)
-        self.logger.log(self.start_step if tag == "before" else self.cfg.rl.steps, evaluate.flatten(results))
-        return results
-
-    def close(self) -> None:
-        for name in ("ckpt", "logger"):
-            part = getattr(self, name, None)
-            if part is not None:
-                part.close()
-        self.pool.close()
+            f.write(json.dumps(record, default=str) + "\n")
 
 
 def _split(n: int, weights: dict[str, float]) -> dict[str, int]:
@@ -345,26 +550,18 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
-def _domain_metrics(samples) -> dict[str, float]:
-    """Over the kept (trained) samples: kept_reward, kept_ok/<domain>; the per-domain reward and compute
-    the curriculum reads come from every sample drawn (see make_batch)."""
-    metrics = {"kept_reward": float(np.mean([s.reward for s in samples]))} if samples else {}
-    for d in sorted({s.task.domain for s in samples}):
-        metrics[f"kept_ok/{d}"] = float(np.mean([s.status == "ok" for s in samples if s.task.domain == d]))
-    return metrics
-
-
 def format_comparison(before: dict[str, Any], after: dict[str, Any]) -> str:
     """Held-out accuracy per domain before and after training, as a text table."""
     rows = [("domain", "pass@1 before", "pass@1 after", "pass@k before", "pass@k after")]
     for d in sorted(after):
         b, a = before.get(d, {}), after[d]
+        nan = float("nan")
         rows.append(
             (
                 d,
-                f"{b.get('pass@1', float('nan')):.3f}",
+                f"{b.get('pass@1', nan):.3f}",
                 f"{a['pass@1']:.3f}",
-                f"{b.get('pass@k', float('nan')):.3f}",
+                f"{b.get('pass@k', nan):.3f}",
                 f"{a['pass@k']:.3f}",
             )
         )
@@ -372,66 +569,25 @@ def format_comparison(before: dict[str, Any], after: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -> dict[str, Any]:
-    """Runs (or resumes) the job; returns {"before": eval, "after": eval, "steps": n}."""
-    from rl import checkpoint, pipeline, train_step
+# ---- CLI ---------------------------------------------------------------------------------------------------
 
-    rl = cfg.rl
-    run = Run(cfg, workdir)
-    handle = checkpoint.install_preemption_handler()
-    try:
-        run._batches = 0
-        run.start_model(sft_only=sft_only)
-        run._batches = run.start_step
-        if sft_only:
-            return {"steps": 0}
-        before = run.evaluate("before") if run_eval and run.start_step == 0 else None
-        step_fn = train_step.make_train_step(cfg, run.model_def)
-        pipe = pipeline.Pipeline(
-            run.make_batch,
-            asynchronous=rl.async_rollout,
-            max_staleness=rl.max_staleness,
-            max_queue=rl.max_queue,
-        )
-        step = run.start_step
-        try:
-            while step < rl.steps:
-                if handle.requested:
-                    run.save(step, force=True)
-                    run.ckpt.wait()
-                    return {"steps": step, "preempted": True}
-                item, pmetrics = pipe.get(run.engine.version)
-                t0 = time.perf_counter()
-                if item.batch is None:  # no group with a reward signal: the step makes no update
-                    metrics = {"train/skipped": 1.0}
-                else:
-                    run.state, metrics = step_fn(run.state, item.batch)
-                    metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
-                    run.version = run.engine.update_params(run.state.params)
-                metrics["pipeline/train_s"] = time.perf_counter() - t0
-                step += 1
-                metrics.update(item.metrics, **pmetrics, **run.update_curriculum(step, item.metrics))
-                if step % rl.log_every == 0 or step == rl.steps:
-                    run.logger.log(step, metrics)
-                if run.ckpt.should_save(step):
-                    run.save(step)
-        finally:
-            pipe.close()
-        run.save(step, force=True)
-        run.ckpt.wait()
-        after = run.evaluate("after") if run_eval else None
-        if before is not None and after is not None:
-            print(format_comparison(before, after), flush=True)
-        return {"before": before, "after": after, "steps": step, "engine": run.engine.stats()}
-    finally:
-        handle.close()
-        run.close()
+
+def quiet_console(workdir: str) -> None:
+    """Library INFO logs (orbax, absl, JAX) go to `<workdir>/log.txt`; the console keeps warnings, the
+    progress line, the SFT lines and the tables. An explicit --verbosity keeps them on stderr too."""
+    os.makedirs(workdir, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(workdir, "log.txt"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    if not flags.FLAGS["verbosity"].present:
+        absl_logging.get_absl_handler().setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str]) -> int:
     del argv
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required (checkpoints, metrics and eval results go there).")
+    quiet_console(_WORKDIR.value)
     train(_CONFIG.value, _WORKDIR.value, sft_only=_SFT_ONLY.value, run_eval=_EVAL.value)
     return 0
 

@@ -13,7 +13,17 @@ Batch (dict of arrays; rows right-padded):
   advantages_B       f32    (GRPO)
   behaviour_logp_BT  f32    the sampler's log-prob of each completion token, 0 elsewhere (GRPO)
   ref_logp_BT        f32    reference log-probs; needed when rl.loss.kl_kind != "none"
+  proximal_logp_BT   f32    the policy's log-probs before the first update of this rollout batch; needed
+                            when rl.ppo_epochs * rl.mini_batches > 1 (else the current policy is proximal)
   expert_indices     int32  [L, B, T, k] experts the sampler chose; needed when rl.routing_replay
+
+One rollout batch (`make_grpo_update`): reference log-probs of the frozen step-0 policy (when rl.loss.kl_kind
+is set), proximal log-probs of the current policy (once, when there is more than one update), then
+rl.ppo_epochs passes over the batch of rl.mini_batches optimizer steps each (rows shuffled per pass). From
+the second update on the ratio against the proximal policy moves, and clipping engages.
+
+Log-probs everywhere are of the distribution the sampler drew from: logits / rl.temperature, then the
+rl.top_k / rl.top_p filters (`_token_logprobs`), so on-policy importance weights are exactly 1.
 
 Gradient accumulation (`rl.micro_batches = M`): row i goes to micro-batch i % M (so every micro-batch spans
 every data shard); a `lax.scan` adds the f32 gradients of `w_m * loss_m + moe_loss_m / M`, where `w_m` is the
@@ -31,6 +41,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
@@ -48,6 +59,7 @@ BATCH_AXES = {
     "advantages_B": ("act_batch",),
     "behaviour_logp_BT": BT,
     "ref_logp_BT": BT,
+    "proximal_logp_BT": BT,
     "expert_indices": (None, "act_batch", "act_length", None),
 }
 SFT_KEYS = ("tokens_BT", "positions_BT", "mask_BT")
@@ -186,46 +198,82 @@ def _require_replay(batch: Batch) -> None:
         )
 
 
-def policy_forward(cfg, graphdef, params: nnx.State, batch: Batch) -> tuple[jax.Array, dict]:
+def policy_forward(cfg, graphdef, params: nnx.State, batch: Batch, *, replay: bool | None = None):
     """The training forward: logits_BTV and aux, replaying the sampler's routing when rl.routing_replay."""
-    replay = None
-    if cfg.rl.routing_replay:
+    expert_indices = None
+    if cfg.rl.routing_replay if replay is None else replay:
         _require_replay(batch)
-        replay = batch["expert_indices"]
+        expert_indices = batch["expert_indices"]
     model = _as_model_def(graphdef).merge(params)
-    return model(batch["tokens_BT"], batch["positions_BT"], expert_indices=replay)
+    return model(batch["tokens_BT"], batch["positions_BT"], expert_indices=expert_indices)
 
 
-def logprobs_fn(cfg: ml_collections.ConfigDict, graphdef):
-    """Jitted `fn(params, tokens_BT, positions_BT, expert_indices=None) -> logp_BT` (teacher-forced, at
-    rl.temperature), for reference and old-policy log-probs."""
+def _filtered(cfg) -> bool:
+    return bool(cfg.rl.top_k) or cfg.rl.top_p < 1.0
 
-    def fn(params, tokens_BT, positions_BT, expert_indices=None):
-        model = _as_model_def(graphdef).merge(params)
-        logits_BTV, _ = model(tokens_BT, positions_BT, expert_indices=expert_indices)
-        return grpo.token_logprobs(logits_BTV, tokens_BT, temperature=cfg.rl.temperature)
 
-    return jax.jit(fn)
+def _token_logprobs(cfg, logits_BTV: jax.Array, tokens_BT: jax.Array, *, processed: bool = True) -> jax.Array:
+    """Log-probs under the sampler's processing (temperature, top-k, top-p): one rule for every caller.
+    `processed=False`: tempered but unfiltered (the KL term's distribution)."""
+    rl = cfg.rl
+    if processed and _filtered(cfg):
+        return grpo.token_logprobs(
+            logits_BTV, tokens_BT, temperature=rl.temperature, top_k=int(rl.top_k), top_p=float(rl.top_p)
+        )
+    return grpo.token_logprobs(logits_BTV, tokens_BT, temperature=rl.temperature)
+
+
+def make_logprobs(
+    cfg: ml_collections.ConfigDict, graphdef, *, replay: bool | None = None, processed: bool = True
+):
+    """Jitted `fn(params, batch) -> logp_BT` (teacher-forced, under the sampler's processing), for the
+    proximal and reference log-probs. `replay` defaults to rl.routing_replay; the reference passes False
+    (it is another model: it routes its own way) and `processed=False` (the KL is between the models'
+    unfiltered distributions)."""
+
+    def fn(params, batch):
+        logits_BTV, _ = policy_forward(cfg, graphdef, params, batch, replay=replay)
+        return _token_logprobs(cfg, logits_BTV, batch["tokens_BT"], processed=processed)
+
+    jitted = jax.jit(fn)
+    keys = ("tokens_BT", "positions_BT") + (
+        ("expert_indices",) if (cfg.rl.routing_replay if replay is None else replay) else ()
+    )
+    return lambda params, batch: jitted(params, _select(batch, keys))
 
 
 def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
-    """`w * GRPO loss + moe_loss / M` of one micro-batch, and its metrics weighted the same way."""
+    """`w * GRPO loss + moe_loss / M` of one micro-batch, and its metrics (means weighted by w; extremes,
+    `*_max` / `*_min`, unweighted: the step takes their max / min over micro-batches)."""
     logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
-    logp_BT = grpo.token_logprobs(logits_BTV, mb["tokens_BT"], temperature=cfg.rl.temperature)
+    logp_BT = _token_logprobs(cfg, logits_BTV, mb["tokens_BT"])
+    # One update per batch: the proximal policy is the current one (ratio 1, value and all).
+    proximal_BT = mb.get("proximal_logp_BT", jax.lax.stop_gradient(logp_BT))
     loss, metrics = grpo.loss_from_config(
         logp_BT,
-        jax.lax.stop_gradient(logp_BT),  # one update per batch: the proximal policy is the current one
+        proximal_BT,
         mb["advantages_B"],
         mb["mask_BT"],
         cfg=cfg.rl.loss,
         behaviour_logp_BT=mb["behaviour_logp_BT"],
         ref_logp_BT=mb.get("ref_logp_BT"),
+        kl_logp_BT=_token_logprobs(cfg, logits_BTV, mb["tokens_BT"], processed=False)
+        if _filtered(cfg)
+        else None,
     )
-    metrics = {k: w * v for k, v in metrics.items()}
+    # Train-inference mismatch: the sampler's log-probs against the trainer's before any update.
+    metrics.update(
+        grpo.mismatch_metrics(proximal_BT, mb["behaviour_logp_BT"], mb["mask_BT"], band=cfg.rl.mismatch_band)
+    )
+    metrics = {k: v if _is_extreme(k) else w * v for k, v in metrics.items()}
     moe = aux["moe_loss"] / num_micro
     metrics.update(moe_loss=moe, advantage_mean=jnp.mean(mb["advantages_B"]) / num_micro)
     metrics["loss"] = w * loss + moe
     return metrics["loss"], metrics
+
+
+def _is_extreme(name: str) -> bool:
+    return name.endswith("_max") or name.endswith("_min")
 
 
 def _sft_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
@@ -282,7 +330,7 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         grads, metrics_M = jax.lax.scan(body, zeros, (micro, w_M))
-        metrics = jax.tree.map(lambda x: x.sum(axis=0), metrics_M)
+        metrics = {k: _reduce_micro(k, v) for k, v in metrics_M.items()}
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics.update(
@@ -313,6 +361,14 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
     return step_fn
 
 
+def _reduce_micro(name: str, values_M: jax.Array) -> jax.Array:
+    if name.endswith("_max"):
+        return values_M.max(axis=0)
+    if name.endswith("_min"):
+        return values_M.min(axis=0)
+    return values_M.sum(axis=0)  # already weighted by each micro-batch's share
+
+
 def _select(batch: Batch, keys: tuple[str, ...]) -> Batch:
     if "expert_indices" in keys:
         _require_replay(batch)
@@ -327,9 +383,16 @@ def grpo_batch_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
     keys = ("tokens_BT", "positions_BT", "mask_BT", "advantages_B", "behaviour_logp_BT")
     if cfg.rl.loss.kl_kind != "none":
         keys += ("ref_logp_BT",)
+    if updates_per_batch(cfg) > 1:
+        keys += ("proximal_logp_BT",)
     if cfg.rl.routing_replay:
         keys += ("expert_indices",)
     return keys
+
+
+def updates_per_batch(cfg: ml_collections.ConfigDict) -> int:
+    """Optimizer steps one rollout batch takes: rl.ppo_epochs * rl.mini_batches."""
+    return int(cfg.rl.ppo_epochs) * int(cfg.rl.mini_batches)
 
 
 def make_train_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
@@ -345,3 +408,56 @@ def make_sft_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shardin
     # The target of position t is token t + 1, counted where mask[:, t + 1]: micro-batches weigh by those.
     units = lambda mask_MBT: mask_MBT[:, :, 1:].sum(axis=(1, 2))
     return _make_step(cfg, graphdef, mesh, SFT_KEYS, _sft_loss, units)
+
+
+def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
+    """`update(state, batch, *, ref_params=None) -> (state, metrics)`: what one rollout batch does to the
+    parameters (module docstring). `batch` holds host (numpy) arrays of `rl.prompts_per_step * group_size`
+    rows; `ref_params` is the frozen reference (needed when rl.loss.kl_kind is set). Metrics are means over
+    the updates, `*_max` / `*_min` their extremes, and `updates` the count."""
+    rl = cfg.rl
+    step_fn = make_train_step(cfg, graphdef, mesh=mesh)
+    proximal_fn = make_logprobs(cfg, graphdef)
+    ref_fn = make_logprobs(cfg, graphdef, replay=False, processed=False)
+    epochs, minis = int(rl.ppo_epochs), int(rl.mini_batches)
+    use_kl = rl.loss.kl_kind != "none"
+
+    def update(state: TrainState, batch: dict, *, ref_params: nnx.State | None = None):
+        batch = dict(batch)
+        if use_kl:
+            if ref_params is None:
+                raise ValueError(f"rl.loss.kl_kind={rl.loss.kl_kind!r} needs the reference parameters")
+            batch["ref_logp_BT"] = np.asarray(ref_fn(ref_params, batch))
+        if epochs * minis > 1:
+            batch["proximal_logp_BT"] = np.asarray(proximal_fn(state.params, batch))
+        rows = batch["tokens_BT"].shape[0]
+        if rows % minis:
+            raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
+        per = rows // minis
+        # Per-pass row order: a function of the seed and the optimizer step (exact resume).
+        rng = np.random.default_rng([int(rl.seed) % 2**63, int(state.step)])
+        history = []
+        for _ in range(epochs):
+            order = rng.permutation(rows) if minis > 1 else np.arange(rows)
+            for m in range(minis):
+                idx = np.sort(order[m * per : (m + 1) * per])
+                mb = {k: v[:, idx] if k == "expert_indices" else v[idx] for k, v in batch.items()}
+                state, metrics = step_fn(state, mb)
+                history.append(jax.device_get(metrics))
+        return state, _combine_updates(history)
+
+    return update
+
+
+def _combine_updates(history: list[dict]) -> dict[str, float]:
+    out = {}
+    for name in history[0]:
+        values = np.asarray([float(h[name]) for h in history])
+        if name.endswith("_max"):
+            out[name] = float(values.max())
+        elif name.endswith("_min"):
+            out[name] = float(values.min())
+        else:
+            out[name] = float(values.mean())
+    out["updates"] = float(len(history))
+    return out

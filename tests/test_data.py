@@ -140,3 +140,116 @@ def test_mixer_allocation_and_resume():
         mixer.next_tasks({"code": 1})
     with pytest.raises(ValueError, match="domains"):
         resumed.set_state({"math": state["math"]})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Split data (GSM8K train / test), environment options, resume identity
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _write_gsm8k(path, questions):
+    lines = [json.dumps({"question": q, "answer": f"x\n#### {i}"}) + "\n" for i, q in enumerate(questions)]
+    path.write_text("".join(lines))
+    return str(path)
+
+
+@pytest.fixture
+def gsm8k_files(tmp_path):
+    train = [f"Train question {i}?" for i in range(6)]
+    test = [f"Test question {i}?" for i in range(4)]
+    kwargs = {"train_jsonl": _write_gsm8k(tmp_path / "train.jsonl", train)}
+    kwargs["test_jsonl"] = _write_gsm8k(tmp_path / "test.jsonl", test)
+    return kwargs, {"train": set(train), "eval": set(test)}
+
+
+def _question(task):
+    return task.prompt.split("\n\n")[0]
+
+
+def test_split_data_streams_draw_from_their_own_file(gsm8k_files):
+    kwargs, questions = gsm8k_files
+    for split in data.SPLITS:
+        stream = DomainTasks("math", seed=0, split=split, env_kwargs=kwargs)
+        assert stream.data_split == data.DATA_SPLIT[split]
+        # All of the split's records, and nothing else: no hash holdout inside split data.
+        assert {_question(t) for t in stream.next_tasks(80)} == questions[split]
+
+
+def test_env_and_env_kwargs_are_exclusive(gsm8k_files):
+    with pytest.raises(ValueError, match="not both"):
+        DomainTasks("math", seed=0, env=math_env.MathEnvironment(), env_kwargs=gsm8k_files[0])
+
+
+def test_resume_under_other_data_is_refused(gsm8k_files, tmp_path):
+    kwargs, _ = gsm8k_files
+    stream = DomainTasks("math", seed=0, env_kwargs=kwargs)
+    stream.next_tasks(3)
+    state = json.loads(json.dumps(stream.get_state()))
+    expected = _ids(stream.next_tasks(5))
+    resumed = DomainTasks("math", seed=0, env_kwargs=dict(kwargs))
+    resumed.set_state(state)
+    assert _ids(resumed.next_tasks(5)) == expected
+    other = dict(kwargs, train_jsonl=_write_gsm8k(tmp_path / "other.jsonl", ["Another question?"] * 6))
+    with pytest.raises(ValueError, match="tasks differ"):
+        DomainTasks("math", seed=0, env_kwargs=other).set_state(state)
+    with pytest.raises(ValueError, match="tasks differ"):  # unsplit data is another stream too
+        DomainTasks("math", seed=0).set_state(state)
+    legacy = {k: v for k, v in state.items() if k != "tasks"}  # states saved before the digest existed
+    DomainTasks("math", seed=0, env_kwargs=kwargs).set_state(legacy)
+
+
+def test_scoring_options_do_not_change_the_stream():
+    # code's reward rule and timeouts change scoring only: a resume under them is no other stream.
+    state = DomainTasks("code", seed=0).get_state()
+    DomainTasks("code", seed=0, env_kwargs={"reward": "fraction", "test_timeout_s": 2.0}).set_state(state)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Held-out selection shared by rl.train and rl.evaluate
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _cfg(**rl):
+    import ml_collections
+
+    base = {"domains": ("arith", "strings"), "seed": 0, "chat": False, "max_prompt_len": 11}
+    base["eval"] = {"n_tasks": 6, "k": 2}
+    return ml_collections.ConfigDict({"rl": {**base, **rl}})
+
+
+def test_heldout_tasks_respect_levels_and_prompt_length():
+    from model.tokenizer import ByteTokenizer
+    from rl import rollout
+
+    tokenizer = ByteTokenizer(256)
+    # strings prompts: level 1 takes 10-11 tokens, level 3 takes 12-13: only level 1 fits 11.
+    cfg = _cfg(levels={"strings": (1, 3)})
+    heldout = data.heldout_tasks(cfg, tokenizer)
+    assert sorted(heldout) == ["arith", "strings"]
+    for tasks in heldout.values():
+        assert len(tasks) == 6 and len({t.id for t in tasks}) == 6
+        assert all(len(rollout.format_prompt(t, tokenizer, chat=False)) <= 11 for t in tasks)
+    assert {t.difficulty for t in heldout["strings"]} == {1}
+    assert {t.difficulty for t in heldout["arith"]} > {0}  # no levels given: all levels
+    # They are the first fitting tasks of the eval stream, the same in every call (trainer and rl.evaluate).
+    stream = DomainTasks("strings", seed=0, split="eval", levels=(1, 3))
+    first = [t for t in stream.next_tasks(40) if data.fits_prompt(t, tokenizer, cfg)][:6]
+    assert _ids(first) == _ids(heldout["strings"])
+    assert data.heldout_tasks(cfg, tokenizer) == heldout
+    with pytest.raises(ValueError, match=r"rl.max_prompt_len=8"):
+        data.heldout_tasks(_cfg(max_prompt_len=8), tokenizer)
+
+
+def test_heldout_tasks_use_the_env_options(gsm8k_files):
+    import ml_collections
+
+    from model.tokenizer import ByteTokenizer
+
+    kwargs, questions = gsm8k_files
+    cfg = _cfg(domains=("math",), max_prompt_len=512, env=ml_collections.ConfigDict({"math": kwargs}))
+    cfg.rl.eval.n_tasks = 4
+    heldout = data.heldout_tasks(cfg, ByteTokenizer(256))["math"]
+    assert {_question(t) for t in heldout} == questions["eval"]  # all 4 test records, each once
+    cfg.rl.eval.n_tasks = 5
+    with pytest.raises(ValueError, match="only 4 distinct"):
+        data.heldout_tasks(cfg, ByteTokenizer(256))

@@ -12,7 +12,7 @@ from flax import nnx
 import model
 from configs import tiny
 from inference import sampling
-from inference.drafters import ModelDrafter, NgramDrafter
+from inference.drafters import GroupDrafter, ModelDrafter, NgramDrafter
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
 
@@ -188,7 +188,7 @@ def test_speculative_greedy_equals_plain_greedy(target, engine, small_drafter):
     prompts = _prompts(7, [1, 9, 33]) + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
     sp = SamplingParams(temperature=0.0, max_new_tokens=20)
     plain = engine.generate(prompts, sp)
-    for draft in (small_drafter, NgramDrafter(2), ModelDrafter(cfg, params)):
+    for draft in (small_drafter, NgramDrafter(2), GroupDrafter(2), ModelDrafter(cfg, params)):
         eng = Engine(cfg, params, ECFG, draft=draft)
         outs = eng.generate(prompts, sp)
         assert [c.tokens for c in outs] == [c.tokens for c in plain]
@@ -280,10 +280,94 @@ def test_speculative_sampling_matches_the_exact_distribution(target, forward):
     assert stat1 > scipy.stats.chi2.ppf(1 - alpha, dof1), (stat1, dof1)
 
 
+def test_group_drafter_sampling_matches_the_exact_distribution(target, forward):
+    """The same chi-square as above with the group drafter: each sample's proposals are its siblings' text
+    (one-hot q), accepted with p(x), else resampled from p without x. The biased variant (resample from p)
+    must fail. Its first-token law: a proposal x from a sibling that followed the biased law b gives
+    b(a) p(a) + (1 - sum b p) p(a), whose fixed point b* the later samples follow; the first 16 (one batch,
+    in lockstep, no sibling text yet; the prompt's tokens are distinct, so no prompt match either) follow p.
+    Its power against that mixture is required to exceed 0.99."""
+    cfg, _, params = target
+    prompt = _prompts(8, [5])[0]
+    assert len(set(prompt)) == len(prompt)
+    n, batch = 3000, 16
+    sp = SamplingParams(temperature=0.8, top_k=3, top_p=0.95, max_new_tokens=2, n=n, seed=1)
+    exact = _exact_pairs(forward, params, prompt, sp)
+    alpha = 1e-3
+
+    def run(resample_from):
+        eng = Engine(cfg, params, dataclasses.replace(ECFG, max_batch=batch), draft=GroupDrafter(3))
+        eng._resample_from = resample_from
+        eng._build_steps()
+        counts = {}
+        for c in eng.generate([prompt], sp):
+            counts[tuple(c.tokens)] = counts.get(tuple(c.tokens), 0) + 1
+        return counts, eng.stats()["acceptance_rate"]
+
+    counts, acceptance = run("residual")
+    stat, dof = _chi_square(counts, exact, n)
+    assert 0.2 < acceptance < 0.95, acceptance  # both paths exercised
+    assert stat < scipy.stats.chi2.ppf(1 - alpha, dof), (stat, dof)
+
+    arrays = sampling.sampling_arrays([sp])
+    p = np.exp(np.asarray(sampling.processed_logprobs(jnp.asarray(forward(params, prompt)[-1:]), arrays))[0])
+    b = p
+    for _ in range(200):
+        b = b * p + (1 - np.sum(b * p)) * p
+    biased = (batch * p + (n - batch) * b) / n
+    support = p > 0
+    lam = n * np.sum((biased[support] - p[support]) ** 2 / p[support])
+    df1 = int(support.sum()) - 1
+    power = 1 - scipy.stats.ncx2.cdf(scipy.stats.chi2.ppf(1 - alpha, df1), df1, lam)
+    assert power > 0.99, (power, lam)
+    biased_counts, _ = run("p")
+    first = {}
+    for (a, _), k in biased_counts.items():
+        first[(a,)] = first.get((a,), 0) + k
+    stat1, dof1 = _chi_square(first, {(int(a),): p[a] for a in np.flatnonzero(support)}, n)
+    assert stat1 > scipy.stats.chi2.ppf(1 - alpha, dof1), (stat1, dof1)
+
+
+def test_update_draft_params_swaps_the_drafter_without_recompiling(target, small_drafter):
+    """The draft model (here with the target's config) starts from other weights, then gets the target's:
+    greedy acceptance goes to 1 (k + 1 tokens per target forward), outputs stay the target's."""
+    cfg, _, params = target
+    other = nnx.state(model.build(cfg, seed=5), nnx.Param)
+    eng = Engine(cfg, params, ECFG, draft=ModelDrafter(cfg, other))
+    eng.warmup()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=15)  # 3 speculative steps of k + 1 = 5 tokens
+    before = eng.generate(_prompts(17, [9, 20]), sp)
+    stats = eng.stats()
+    assert stats["accepted_tokens"] < 0.5 * stats["proposed_tokens"], stats
+    donated = jax.tree.map(jnp.copy, params)
+    eng.update_draft_params(donated)
+    jax.tree.map(lambda a: a.delete(), donated)  # the engine keeps its own copy: the caller may donate
+    after = eng.generate(_prompts(18, [9, 20]), sp)  # new prompts: no draft K/V cached from the old weights
+    delta = {k: eng.stats()[k] - stats[k] for k in ("accepted_tokens", "proposed_tokens", "spec_steps")}
+    assert delta == {"accepted_tokens": 2 * 3 * 4, "proposed_tokens": 2 * 3 * 4, "spec_steps": 3}, delta
+    plain = Engine(cfg, params, ECFG)
+    assert [c.tokens for c in after] == [c.tokens for c in plain.generate(_prompts(18, [9, 20]), sp)]
+    assert [c.tokens for c in before] == [c.tokens for c in plain.generate(_prompts(17, [9, 20]), sp)]
+    # At T = 1 the draft changes which tokens are drawn (the same law, other draws).
+    t1 = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    sampled = eng.generate(_prompts(19, [9]), t1)
+    eng.update_draft_params(other)
+    assert eng.generate(_prompts(19, [9]), t1)[0].tokens != sampled[0].tokens
+    assert eng.stats()["compiles_after_warmup"] == 0
+    with pytest.raises(ValueError, match="draft params do not match"):
+        eng.update_draft_params(small_drafter.params)
+    with pytest.raises(ValueError, match="needs an engine built with a ModelDrafter"):
+        plain.update_draft_params(params)
+
+
 def test_no_recompiles_after_warmup(target):
     cfg, _, params = target
     rng = np.random.default_rng(9)
-    engines = [Engine(cfg, params, ECFG), Engine(cfg, params, ECFG, draft=NgramDrafter(3))]
+    engines = [
+        Engine(cfg, params, ECFG),
+        Engine(cfg, params, ECFG, draft=NgramDrafter(3)),
+        Engine(cfg, params, dataclasses.replace(ECFG, record_routing=True), draft=GroupDrafter(3)),
+    ]
     for eng in engines:
         eng.warmup()
         for i in range(6):

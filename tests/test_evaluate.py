@@ -120,6 +120,32 @@ def test_missing_run_config_names_file_and_fix(tmp_path):
         evaluate.load_run_config(str(tmp_path))
 
 
+def test_overrides_change_a_copy_and_the_heldout_selection():
+    import ml_collections
+
+    from model.tokenizer import ByteTokenizer
+    from rl import data
+
+    rl = {"domains": ("arith", "strings"), "seed": 0, "chat": False, "max_prompt_len": 16, "temperature": 1.0}
+    rl.update(max_new_tokens=8, levels={"arith": (2,)}, eval={"n_tasks": 3, "k": 2})
+    run_cfg = ml_collections.ConfigDict({"rl": rl})
+    saved = run_cfg.to_json()
+    cfg = evaluate.with_overrides(run_cfg, domains=["arith"], n_tasks=2, k=4, temperature=0.0)
+    assert run_cfg.to_json() == saved  # the run's config is untouched
+    assert (tuple(cfg.rl.domains), cfg.rl.eval.n_tasks, cfg.rl.eval.k, cfg.rl.temperature) == (
+        ("arith",),
+        2,
+        4,
+        0.0,
+    )
+    assert evaluate.with_overrides(run_cfg).to_json() == saved  # nothing set: the run's own evaluation
+    # --n_tasks=2 takes the first two of the trainer's held-out tasks, with the run's levels.
+    tokenizer = ByteTokenizer(256)
+    trainer = data.heldout_tasks(run_cfg, tokenizer)
+    assert data.heldout_tasks(cfg, tokenizer) == {"arith": trainer["arith"][:2]}
+    assert {t.difficulty for t in trainer["arith"]} == {2}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # A real evaluation: tiny model, engine, environment pool
 # ---------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from inference import sampling
 from rl import grpo
 
 ATOL = 1e-5  # f32 arithmetic on values of order 1; every golden below is exact to ~1e-7.
@@ -96,6 +97,79 @@ def test_token_logprobs_against_hand_softmax():
     close(hot, want, atol=2e-2)  # bf16 logits carry ~3 significant digits.
 
 
+# logits log[.4, .3, .2, .1] at positions 0 and 1; each filter below keeps tokens {0, 1}, renormalised to
+# [4/7, 3/7]: top-k 2; top-p .6 (mass before each token 0, .4, .7, .9: the first two are < .6); min-p .6
+# (keep p >= .6 * .4 = .24: .4 and .3).
+FILTER_LOGITS = jnp.log(jnp.array([[[0.4, 0.3, 0.2, 0.1]] * 3]))
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 2}, {"top_p": 0.6}, {"min_p": 0.6}])
+def test_token_logprobs_filtered_golden_and_gradient(filters):
+    # Position 1: token 0 is kept, log(4/7); d/d logits[0] = onehot(0) - [4/7, 3/7, 0, 0] = [3/7, -3/7, 0, 0]
+    # (the dropped logits get no gradient: the keep-mask is a constant). Position 2: token 2 is dropped,
+    # LOGP_FLOOR, with a zero (not NaN) gradient.
+    tokens = jnp.array([[3, 0, 2]])
+    logp = grpo.token_logprobs(FILTER_LOGITS, tokens, **filters)
+    close(logp, [[0.0, math.log(4 / 7), grpo.LOGP_FLOOR]])
+    grad = jax.grad(lambda lg: grpo.token_logprobs(lg, tokens, **filters)[0, 1])(FILTER_LOGITS)
+    close(grad[0], [[3 / 7, -3 / 7, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    grad = jax.grad(lambda lg: grpo.token_logprobs(lg, tokens, **filters)[0, 2])(FILTER_LOGITS)
+    close(grad, np.zeros((1, 3, 4)), atol=0)
+
+
+def _random_logits_and_tokens(key=0, shape=(2, 6, 11)):
+    """Random logits; token t is the argmax of logits[:, t - 1] for odd t (kept by any filter) and the
+    argmin for even t (dropped by top-k 5)."""
+    logits = 3.0 * jax.random.normal(jax.random.key(key), shape)
+    best, worst = jnp.argmax(logits, axis=-1), jnp.argmin(logits, axis=-1)
+    nxt = jnp.where(jnp.arange(shape[1]) % 2 == 0, best, worst)  # Predicted from t: the token at t + 1.
+    return logits, jnp.roll(nxt, 1, axis=1).astype(jnp.int32)
+
+
+def test_token_logprobs_match_the_samplers_processed_logprobs():
+    logits, tokens = _random_logits_and_tokens()
+    batch, length, _ = logits.shape
+    params = sampling.SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    fn = jax.jit(functools.partial(grpo.token_logprobs, temperature=0.7, top_k=5, top_p=0.9))
+    logp = fn(logits, tokens)
+    chex.assert_shape(logp, (batch, length))
+    arrays = sampling.sampling_arrays([params] * batch)
+    for t in range(1, length):
+        logp_BV = sampling.processed_logprobs(logits[:, t - 1], arrays)
+        want_B = jnp.take_along_axis(logp_BV, tokens[:, t, None], axis=-1)[:, 0]
+        if t % 2 == 0:  # argmin: outside the top 5, -inf for the sampler, the floor here.
+            assert np.all(np.isneginf(want_B))
+            close(logp[:, t], np.full(batch, grpo.LOGP_FLOOR), atol=0)
+        else:
+            assert np.all(np.asarray(want_B) > -1e3)
+            close(logp[:, t], want_B)
+    close(logp[:, 0], np.zeros(batch), atol=0)
+    grad = jax.grad(lambda lg: fn(lg, tokens).sum())(logits)
+    chex.assert_tree_all_finite(grad)
+
+
+def test_token_logprobs_filter_that_keeps_everything_matches_no_filter():
+    # top_k = V is "on" (the processed path) but keeps every token: the plain tempered softmax.
+    logits, tokens = _random_logits_and_tokens(key=1)
+    plain = grpo.token_logprobs(logits, tokens, temperature=0.7)
+    close(grpo.token_logprobs(logits, tokens, temperature=0.7, top_k=logits.shape[-1]), plain)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": 0.0}, r"temperature=0.0 must be > 0 \(greedy decoding has no log-probs\)"),
+        ({"temperature": -1.0}, r"temperature=-1.0 must be > 0"),
+        ({"top_k": -1}, r"top_k=-1 must be >= 0"),
+        ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]"),
+        ({"min_p": 1.5}, r"min_p=1.5 must be in \[0, 1\]"),
+    ],
+)
+def test_token_logprobs_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        grpo.token_logprobs(FILTER_LOGITS, jnp.zeros((1, 3), jnp.int32), **kwargs)
+
+
 # --- policy_loss: clipping ----------------------------------------------------------------------------------
 
 # Five one-token sequences, old logp 0, logp = log r.
@@ -128,6 +202,7 @@ def test_clip_branches_and_gradients():
     close(metrics["clip_fraction_high"], 0.2)
     close(metrics["ratio_mean"], 1.02)
     close(metrics["approx_kl"], 0.1160108)
+    close(metrics["ratio_max"], 1.5)
 
 
 def test_clip_higher_is_separate_from_clip_low():
@@ -250,6 +325,76 @@ def test_policy_loss_jits():
     close(loss, -0.1107014)
 
 
+# --- masked-out positions: huge ratios and -inf log-probs ---------------------------------------------------
+
+# One row; log r = [log 1.5, log .5, 50]; the third token is padding.
+PAD_MASK = jnp.array([[1, 1, 0]], bool)
+PAD_OLD = jnp.array([[-1.0, -2.0, -3.0]])
+
+
+def test_ratio_max_ignores_padded_tokens():
+    # Masked ratios 1.5 and .5: ratio_max 1.5, not e^50 (the padded token); ratio_mean 1.
+    logp = PAD_OLD + jnp.array([[math.log(1.5), math.log(0.5), 50.0]])
+    _, metrics = grpo.policy_loss(logp, PAD_OLD, jnp.ones(1), PAD_MASK)
+    close(metrics["ratio_max"], 1.5)
+    close(metrics["ratio_mean"], 1.0)
+    # No token masked in: 0, the identity of a max over micro-batches.
+    _, metrics = grpo.policy_loss(logp, PAD_OLD, jnp.ones(1), jnp.zeros((1, 3)))
+    close(metrics["ratio_max"], 0.0, atol=0)
+
+
+@pytest.mark.parametrize("pad", [-jnp.inf, grpo.LOGP_FLOOR])
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_pad_logprobs_give_no_nan(pad, ratio):
+    # A padded position whose target the sampler's filters drop: -inf (or the floor) in logp, old, ref and
+    # behaviour. Loss, metrics and gradients equal those with a finite padded value: no NaN, no gradient.
+    finite = PAD_OLD + jnp.array([[math.log(1.5), math.log(0.5), 0.0]])
+    padded = finite.at[0, 2].set(pad)
+    old = PAD_OLD.at[0, 2].set(pad)
+    cfg = grpo.default_loss_config()
+    cfg.update(ratio=ratio, kl_kind="k3", kl_coef=0.1)
+
+    def run(lp, old, other):
+        f = lambda lp: grpo.loss_from_config(
+            lp, old, jnp.ones(1), PAD_MASK, cfg=cfg, behaviour_logp_BT=other, ref_logp_BT=other
+        )
+        return jax.value_and_grad(f, has_aux=True)(lp)
+
+    (loss, metrics), grad = run(padded, old, old)
+    (want_loss, want_metrics), want_grad = run(finite, PAD_OLD, PAD_OLD)
+    chex.assert_tree_all_finite((loss, metrics, grad))
+    close(loss, want_loss)
+    close(grad, want_grad)
+    assert float(grad[0, 2]) == 0.0
+    for name, value in want_metrics.items():
+        close(metrics[name], value)
+
+
+def test_filtered_logprobs_through_the_loss_have_finite_gradients():
+    # Prompt-like positions (even t, and t = 0) hold tokens the filters drop: LOGP_FLOOR, masked out.
+    logits, tokens = _random_logits_and_tokens(key=2)
+    mask = (jnp.arange(logits.shape[1]) % 2 == 1)[None, :] & jnp.ones((logits.shape[0], 1), bool)
+    logp_fn = functools.partial(grpo.token_logprobs, temperature=0.7, top_k=5, top_p=0.9)
+    old = jax.lax.stop_gradient(logp_fn(logits, tokens)) - 0.1
+    cfg = grpo.default_loss_config()
+    cfg.update(kl_kind="k3", kl_coef=0.1)
+
+    def loss(lg):
+        return grpo.loss_from_config(
+            logp_fn(lg, tokens),
+            old,
+            jnp.array([1.0, -1.0]),
+            mask,
+            cfg=cfg,
+            behaviour_logp_BT=old,
+            ref_logp_BT=old,
+        )[0]
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(logits)
+    chex.assert_tree_all_finite((value, grad))
+    assert float(jnp.abs(grad).max()) > 0
+
+
 # --- KL penalty ---------------------------------------------------------------------------------------------
 
 KL_LOGP = jnp.array([[0.0, -1.0, 0.0]])
@@ -305,6 +450,99 @@ def test_is_weights_scale_the_loss_as_constants():
     close(g_w, [[0.0, 0.0]], atol=0)
 
 
+# --- corrections and mismatch metrics -----------------------------------------------------------------------
+
+# r = pi_proximal / pi_behaviour per token; band [.5, 2], cap 2.
+#   row 0: [.4, 1, 3]            product 1.2 (in band), geometric mean 1.2^(1/3) = 1.0626586 (in)
+#   row 1: [1.5, 1.5, pad 100]   product 2.25 (out), geometric mean 1.5 (in); the padded 100 is ignored
+#   row 2: [.3, .55, .6]         product .099 (out), geometric mean .099^(1/3) = .4626065 (out)
+CORR_R = jnp.array([[0.4, 1.0, 3.0], [1.5, 1.5, 100.0], [0.3, 0.55, 0.6]])
+CORR_MASK = jnp.array([[1, 1, 1], [1, 1, 0], [1, 1, 1]], bool)
+CORR_BEHAVIOUR = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -1.5, -2.5], [-0.2, -0.4, -0.6]])
+CORR_PROXIMAL = CORR_BEHAVIOUR + jnp.log(CORR_R)
+CORR_WEIGHTS = {
+    "none": [[1, 1, 1], [1, 1, 0], [1, 1, 1]],
+    "tis": [[0.4, 1, 2], [1.5, 1.5, 0], [0.3, 0.55, 0.6]],  # min(r, 2)
+    "icepop": [[0, 1, 0], [1.5, 1.5, 0], [0, 0.55, 0.6]],  # r in [.5, 2], else 0
+    "seq-mask": [[0.4, 1, 2], [1.5, 1.5, 0], [0, 0, 0]],  # row 2's geometric mean is out: 0
+    "seq-reject": [[1, 1, 1], [0, 0, 0], [0, 0, 0]],  # rows 1 and 2's products are out: 0
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORR_WEIGHTS))
+def test_correction_weights_golden_and_constant(kind):
+    fn = lambda p, b: grpo.correction_weights(p, b, CORR_MASK, kind=kind, low=0.5, high=2.0, cap=2.0)
+    w = jax.jit(fn)(CORR_PROXIMAL, CORR_BEHAVIOUR)
+    chex.assert_shape(w, (3, 3))
+    assert w.dtype == jnp.float32
+    close(w, CORR_WEIGHTS[kind])
+    gp, gb = jax.grad(lambda p, b: fn(p, b).sum(), argnums=(0, 1))(CORR_PROXIMAL, CORR_BEHAVIOUR)
+    close(gp, np.zeros((3, 3)), atol=0)
+    close(gb, np.zeros((3, 3)), atol=0)
+
+
+def test_seq_mask_without_cap_and_wider_band():
+    # cap 0 (truncation off): seq-mask keeps weight 1 on rows 0 and 1. Band [.25, 4]: every row's geometric
+    # mean is in; products 1.2, 2.25 in, .099 out -> seq-reject keeps rows 0 and 1.
+    w = grpo.correction_weights(CORR_PROXIMAL, CORR_BEHAVIOUR, CORR_MASK, kind="seq-mask", cap=0.0)
+    close(w, [[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    w = grpo.correction_weights(CORR_PROXIMAL, CORR_BEHAVIOUR, CORR_MASK, kind="seq-mask", low=0.25, high=4.0)
+    close(w, CORR_WEIGHTS["tis"])
+    w = grpo.correction_weights(
+        CORR_PROXIMAL, CORR_BEHAVIOUR, CORR_MASK, kind="seq-reject", low=0.25, high=4.0
+    )
+    close(w, [[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match=r"kind='pop' is unknown; choose one of \['icepop', 'none'"):
+        grpo.correction_weights(CORR_PROXIMAL, CORR_BEHAVIOUR, CORR_MASK, kind="pop")
+
+
+@pytest.mark.parametrize(
+    "correction, kept, mean",
+    [
+        # 8 masked tokens. Weights from CORR_WEIGHTS: nonzero counts 8, 8, 5, 5, 3.
+        ("none", 1.0, 1.0),
+        ("tis", 1.0, (3.4 + 3.0 + 1.45) / 8),  # row sums 3.4, 3, 1.45
+        ("icepop", 5 / 8, 5.15 / 8),  # 1 + 1.5 + 1.5 + .55 + .6
+        ("seq-mask", 5 / 8, 6.4 / 8),  # 3.4 + 3
+        ("seq-reject", 3 / 8, 3 / 8),
+    ],
+)
+def test_loss_from_config_applies_the_correction(correction, kept, mean):
+    # logp = old (r = 1), A = [1, -1, 1]: token loss -A w; token-mean over the 8 masked tokens.
+    cfg = _cfg(correction=correction)
+    adv = jnp.array([1.0, -1.0, 1.0])
+    loss, metrics = jax.jit(functools.partial(grpo.loss_from_config, cfg=cfg))(
+        CORR_PROXIMAL, CORR_PROXIMAL, adv, CORR_MASK, behaviour_logp_BT=CORR_BEHAVIOUR
+    )
+    w = np.asarray(CORR_WEIGHTS[correction], np.float32)
+    close(loss, -(w * np.asarray(adv)[:, None]).sum() / 8)
+    close(metrics["correction_kept_fraction"], kept)
+    close(metrics["is_weight_mean"], mean)
+    assert ("tis_weight_mean" in metrics) == (correction == "tis")
+
+
+def test_mismatch_metrics_golden():
+    # r = train - behaviour: masked ratios [.4, 1, 3] and [1.5, .8]; the padded e^10 is ignored.
+    # k1 = mean(-log r) = -log(.4 * 3 * 1.5 * .8) / 5 = -log 1.44 / 5 = -.0729286 (negative: k1 is unbiased,
+    #   not nonnegative). k3 = mean(r - 1 - log r): .3162907 + 0 + .9013877 + .0945349 + .0231436 = 1.3353569,
+    #   / 5 = .2670714. Band 2, [.5, 2]: .4 and 3 are out -> 2 / 5. Max 3, min .4.
+    ratios = jnp.array([[0.4, 1.0, 3.0], [1.5, 0.8, math.exp(10.0)]])
+    mask = jnp.array([[1, 1, 1], [1, 1, 0]], bool)
+    behaviour = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -1.5, -jnp.inf]])
+    train = jnp.where(mask, behaviour + jnp.log(ratios), 10.0)
+    metrics = jax.jit(functools.partial(grpo.mismatch_metrics, band=2.0))(train, behaviour, mask)
+    chex.assert_tree_all_finite(metrics)
+    close(metrics["mismatch_kl_k1"], -0.0729286)
+    close(metrics["mismatch_kl"], 0.2670714)
+    close(metrics["mismatch_out_of_band"], 0.4)
+    close(metrics["mismatch_ratio_max"], 3.0)
+    close(metrics["mismatch_ratio_min"], 0.4)
+    # Band 4, [.25, 4]: every ratio is in.
+    close(grpo.mismatch_metrics(train, behaviour, mask, band=4.0)["mismatch_out_of_band"], 0.0, atol=0)
+    with pytest.raises(ValueError, match=r"band=0.5 must be >= 1"):
+        grpo.mismatch_metrics(train, behaviour, mask, band=0.5)
+
+
 # --- loss_from_config ---------------------------------------------------------------------------------------
 
 LOGP = jnp.array([[-1.0, -2.0], [-0.5, -1.5]])
@@ -330,6 +568,9 @@ def test_default_loss_config():
         "max_tokens": 0,
         "kl_kind": "none",
         "kl_coef": 0.0,
+        "correction": "tis",
+        "correction_low": 0.5,
+        "correction_high": 2.0,
         "tis_cap": 2.0,
     }
 
@@ -384,6 +625,10 @@ def test_loss_from_config_k3_and_sum_norm():
         ({"clip_low": -0.1}, r"rl.loss.clip_low=-0.1 must be >= 0"),
         ({"tis_cap": -1.0}, r"rl.loss.tis_cap=-1.0 must be >= 0"),
         ({"aggregation": "seq-mean-token-sum-norm"}, r"rl.loss.max_tokens=0 must be > 0 for aggregation="),
+        ({"correction": "is"}, r"rl.loss.correction='is' is unknown; choose one of \['icepop', 'none'"),
+        ({"correction_low": 0.0}, r"rl.loss.correction_low=0.0 must be in \(0, 1\]"),
+        ({"correction_low": 1.5}, r"rl.loss.correction_low=1.5 must be in \(0, 1\]"),
+        ({"correction_high": 0.9}, r"rl.loss.correction_high=0.9 must be >= 1"),
     ],
 )
 def test_loss_config_errors(overrides, message):

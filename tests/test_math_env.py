@@ -199,6 +199,54 @@ def test_gsm8k_jsonl_round_trip(tmp_path):
     assert MathEnvironment.from_records(GSM8K_LINES).score(tasks[1], "\\boxed{3600}").reward == 1.0
 
 
+TEST_LINES = [
+    {"question": f"Held-out problem {i}: what is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"}
+    for i in range(1, 5)
+]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _questions(tasks):
+    return {t.prompt.split("\n\n")[0] for t in tasks}
+
+
+def test_gsm8k_train_and_test_files_stay_split(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", GSM8K_LINES)
+    test = write_jsonl(tmp_path / "test.jsonl", TEST_LINES)
+    env = MathEnvironment(train_jsonl=train, test_jsonl=test)
+    assert env.data_splits == ("train", "test") and env.levels == (2,)
+    drawn = {
+        s: [t for seed in range(40) for t in env.sample_tasks(seed, 2, split=s)] for s in ("train", "test")
+    }
+    assert _questions(drawn["train"]) == {r["question"] for r in GSM8K_LINES}
+    assert _questions(drawn["test"]) == {r["question"] for r in TEST_LINES}
+    assert env.sample_tasks(3, 2) == env.sample_tasks(3, 2, split="train")  # the default is train
+    for task in drawn["test"][:4]:  # scoring needs no split: the answer is in the task
+        assert env.score(task, env.reference_solution(task)).reward == 1.0
+    with pytest.raises(ValueError, match="split='eval'"):
+        env.sample_tasks(0, 1, split="eval")
+
+
+def test_split_data_refuses_ambiguous_or_missing_sources(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", GSM8K_LINES)
+    with pytest.raises(ValueError, match="not both"):
+        MathEnvironment(jsonl_path=train, test_jsonl=train)
+    with pytest.raises(ValueError, match="tfds_name"):
+        MathEnvironment(tfds_data_dir=tmp_path)
+    only_train = MathEnvironment(train_jsonl=train)
+    assert len(only_train.sample_tasks(0, 2, split="train")) == 2
+    with pytest.raises(ValueError, match="'test' split .*test_jsonl"):
+        only_train.sample_tasks(0, 1, split="test")
+    with pytest.raises(ValueError, match="needs split data"):
+        MathEnvironment().sample_tasks(0, 1, split="test")
+    with pytest.raises(ValueError, match="needs split data"):
+        MathEnvironment(jsonl_path=train).sample_tasks(0, 1, split="train")
+
+
 def test_gsm8k_record_without_final_answer_is_rejected(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"question": "q", "answer": "no marker here"}) + "\n")
@@ -228,17 +276,27 @@ def test_tfds_array_record_round_trip(tmp_path):
             )
 
         def _split_generators(self, dl_manager):
-            return {"test": self._generate_examples()}
+            return {
+                "train": self._generate_examples(GSM8K_LINES),
+                "test": self._generate_examples(TEST_LINES),
+            }
 
-        def _generate_examples(self):
-            yield from enumerate(GSM8K_LINES)
+        def _generate_examples(self, records):
+            yield from enumerate(records)
 
     TinyGsmForTest(data_dir=tmp_path, file_format="array_record").download_and_prepare()
     assert list(tmp_path.rglob("*.array_record*"))
-    tasks = load_tfds("tiny_gsm_for_test", "test", tmp_path)
+    tasks = load_tfds("tiny_gsm_for_test", "train", tmp_path)
     assert sorted(task_answer(t) for t in tasks) == [F(-6), F(31), F(3600)]
     env = MathEnvironment(tasks=tasks)
     assert all(env.score(t, env.reference_solution(t)).reward == 1.0 for t in tasks)
+    # tfds_name serves the dataset's train split for training and its test split for evaluation.
+    split = MathEnvironment(tfds_name="tiny_gsm_for_test", tfds_data_dir=tmp_path)
+    assert split.data_splits == ("train", "test")
+    for name, records in (("train", GSM8K_LINES), ("test", TEST_LINES)):
+        drawn = [t for seed in range(40) for t in split.sample_tasks(seed, 2, split=name)]
+        assert _questions(drawn) == {r["question"] for r in records}
+        assert all(split.score(t, split.reference_solution(t)).reward == 1.0 for t in drawn[:4])
 
 
 def test_envs_domains_import_neither_jax_nor_tfds():

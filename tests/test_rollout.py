@@ -341,16 +341,18 @@ def test_collect_back_fills_until_enough_groups(pool):
         return [Task(f"{name}-{len(asked)}", "debug", name) for name in names]
 
     kw = dict(groups=3, n=2, sampling=SP)
-    samples, counts = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, **kw)
+    samples, counts, drawn = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, **kw)
     assert asked == [3, 2, 1]
     assert counts["rounds"] == 3 and counts["groups_collected"] == 3 and counts["groups_missing"] == 0
     assert counts["dropped_zero_variance_groups"] == 2 and counts["excluded_env_error"] == 2
     assert counts["dropped_small_groups"] == 1 and counts["surplus_groups"] == 0
     assert [s.task.id for s in samples[::2]] == ["MIXED-1", "MIXED-2", "MIXED-3"]
     assert len({s.group for s in samples}) == 3 and [s.reward for s in samples] == [1.0, 0.0] * 3
+    # The curriculum's view counts every sample drawn: 6 + 4 + 2 over the three rounds.
+    assert drawn["debug"].samples == 12
     # Out of attempts: returns what it has and says so.
     asked.clear()
-    samples, counts = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, max_attempts=2, **kw)
+    samples, counts, _ = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, max_attempts=2, **kw)
     assert asked == [3, 2] and counts["rounds"] == 2
     assert counts["groups_collected"] == 2 and counts["groups_missing"] == 1 and len(samples) == 4
 
@@ -364,7 +366,10 @@ def test_collect_real_engine_gives_up(engine, pool):
         rounds.append(k)
         return debug.sample_tasks(len(rounds), k)
 
-    samples, counts = ro.collect(engine, pool, next_tasks, TOK, groups=2, n=2, sampling=SP, max_attempts=2)
+    samples, counts, drawn = ro.collect(
+        engine, pool, next_tasks, TOK, groups=2, n=2, sampling=SP, max_attempts=2
+    )
     assert samples == [] and rounds == [2, 2]
     assert counts["rounds"] == 2 and counts["groups_missing"] == 2
     assert counts["dropped_zero_variance_groups"] == 4
+    assert drawn["debug"].samples == 8 and drawn["debug"].reward_sum == 0.0

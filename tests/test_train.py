@@ -107,7 +107,6 @@ def test_async_mode_overlaps_and_bounds_staleness(tmp_path):
 
     cfg = grpo.get_config("test")
     cfg.rl.async_rollout, cfg.rl.max_staleness, cfg.rl.max_queue = True, 1, 1
-    cfg.rl.sft.steps = 10
     out = train.train(cfg, str(tmp_path), run_eval=False)
     assert out["steps"] == 4 and out["engine"]["compiles_after_warmup"] == 0
     steps = [r for r in _records(tmp_path) if "pipeline/staleness" in r]

@@ -119,13 +119,11 @@ def test_one_step_changes_params_donates_and_compiles_once(setup, stepped, trace
 def test_advantage_sign_moves_logprobs(setup):
     """Row 0 (advantage +1) gains log-prob, row 1 (advantage -1) loses it; on-policy behaviour log-probs."""
     cfg, model_def, state0, step = setup
-    logprobs = ts.logprobs_fn(cfg, model_def)
+    logprobs = ts.make_logprobs(cfg, model_def)
     batch = _batch()
-    seq_logp = lambda params: np.asarray(
-        (logprobs(params, batch["tokens_BT"], batch["positions_BT"]) * batch["mask_BT"]).sum(axis=1)
-    )
+    seq_logp = lambda params: np.asarray((logprobs(params, batch) * batch["mask_BT"]).sum(axis=1))
     before_B = seq_logp(state0.params)
-    batch["behaviour_logp_BT"] = logprobs(state0.params, batch["tokens_BT"], batch["positions_BT"])
+    batch["behaviour_logp_BT"] = logprobs(state0.params, batch)
     batch["behaviour_logp_BT"] *= batch["mask_BT"]
     batch["advantages_B"] = jnp.zeros((B,)).at[0].set(1.0).at[1].set(-1.0)
     state = _copy(state0)

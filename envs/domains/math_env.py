@@ -12,7 +12,15 @@ A `Task`'s metadata holds the exact answer as a string `Fraction` reads back (`"
 `task_answer` returns the `Fraction`), the worked steps and the source. Scoring goes through
 `envs.domains.answers.grade`: one final answer, compared exactly (metadata "tolerance" and "percent" are
 honoured when a data set needs them). Data tasks come from `load_gsm8k_jsonl` or `load_tfds` (imports
-tensorflow_datasets only when called) and are served by `MathEnvironment(tasks=...)`.
+tensorflow_datasets only when called).
+
+Data splits. `MathEnvironment(train_jsonl=..., test_jsonl=...)` and/or `MathEnvironment(tfds_name=...,
+tfds_data_dir=...)` (the dataset's 'train' and 'test' splits) keep the data's own splits:
+`data_splits == ("train", "test")` and `sample_tasks(..., split="train" | "test")` draws from one of them
+(`rl.data.DomainTasks` draws "train" for its train stream and "test" for its eval stream, with no hash holdout
+of its own). Unsplit data (`tasks=...`, `jsonl_path=...`) and the procedural tasks have no data splits; then
+`rl.data.DomainTasks` holds out a hash fraction of prompts. Scoring never needs the split: a task carries its
+answer in its metadata, so a worker built with the same options scores tasks of either split.
 """
 
 from __future__ import annotations
@@ -415,46 +423,87 @@ def load_tfds(
     return [record_to_task(source[i], f"{name}/{split}/{i}") for i in range(len(source))]
 
 
+DATA_SPLITS = ("train", "test")
+
+
 class MathEnvironment(SingleTurnEnvironment):
-    """Procedural math tasks (levels 0-3), or a fixed set of data tasks when `tasks` or a path is given."""
+    """Procedural math tasks (levels 0-3); or data tasks, unsplit (`tasks`, `jsonl_path`) or kept in their
+    train and test splits (`train_jsonl`, `test_jsonl`, `tfds_name` + `tfds_data_dir`); see the module
+    docstring. Split sources may be combined (each split is the concatenation of its sources)."""
 
     name = "math"
     levels = (0, 1, 2, 3)
+    data_splits: tuple[str, ...] = ()  # ("train", "test") when the data comes split
 
     def __init__(
         self,
         tasks: Sequence[Task] | None = None,
         *,
         jsonl_path: str | os.PathLike[str] | None = None,
+        train_jsonl: str | os.PathLike[str] | None = None,
+        test_jsonl: str | os.PathLike[str] | None = None,
         tfds_name: str | None = None,
-        tfds_split: str = "test",
         tfds_data_dir: str | os.PathLike[str] | None = None,
     ):
-        data = list(tasks or [])
+        unsplit = list(tasks or [])
         if jsonl_path is not None:
-            data += load_gsm8k_jsonl(jsonl_path)
-        if tfds_name is not None:
-            data += load_tfds(tfds_name, tfds_split, tfds_data_dir)
-        self.tasks = data
-        if data:
-            self.levels = tuple(sorted({t.difficulty for t in data}))
+            unsplit += load_gsm8k_jsonl(jsonl_path)
+        jsonl = {"train": train_jsonl, "test": test_jsonl}
+        if tfds_name is None and tfds_data_dir is not None:
+            raise ValueError("math: tfds_data_dir given without tfds_name (e.g. tfds_name='gsm8k')")
+        self.split_tasks: dict[str, list[Task]] = {}
+        if tfds_name is not None or any(path is not None for path in jsonl.values()):
+            if unsplit:
+                raise ValueError(
+                    "math: give either unsplit data (tasks / jsonl_path: a hash fraction is held out for "
+                    "evaluation) or split data (train_jsonl / test_jsonl / tfds_name), not both"
+                )
+            for split in DATA_SPLITS:
+                data = [] if jsonl[split] is None else load_gsm8k_jsonl(jsonl[split])
+                if tfds_name is not None:
+                    data += load_tfds(tfds_name, split, tfds_data_dir)
+                self.split_tasks[split] = data
+            self.data_splits = DATA_SPLITS
+        self.tasks = unsplit or [t for split in self.split_tasks.values() for t in split]
+        if self.tasks:
+            self.levels = tuple(sorted({t.difficulty for t in self.tasks}))
 
     @classmethod
     def from_records(cls, records: Iterable[Mapping[str, Any]], *, prefix: str = "record") -> MathEnvironment:
-        """An environment serving GSM8K-style records ({"question", "answer"})."""
+        """An environment serving GSM8K-style records ({"question", "answer"}), unsplit."""
         return cls(tasks=[record_to_task(r, f"{prefix}/{i}") for i, r in enumerate(records)])
 
-    def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
+    def sample_tasks(
+        self, seed: int, n: int, *, difficulty: int | None = None, split: str | None = None
+    ) -> list[Task]:
+        """`n` tasks of `seed`; with split data, of `split` ("train" or "test"; default "train")."""
         if difficulty is not None and difficulty not in self.levels:
             raise ValueError(f"math: difficulty {difficulty} not in {self.levels}")
+        if self.data_splits:
+            split = split or "train"
+            if split not in self.data_splits:
+                raise ValueError(f"math: split={split!r}; use one of {self.data_splits}")
+            return self._sample_data(self.split_tasks[split], seed, n, difficulty, split)
+        if split is not None:
+            raise ValueError(
+                f"math: split={split!r} needs split data (train_jsonl / test_jsonl or tfds_name); this "
+                "environment serves " + ("unsplit data" if self.tasks else "procedural tasks")
+            )
         if self.tasks:
-            return self._sample_data(seed, n, difficulty)
+            return self._sample_data(self.tasks, seed, n, difficulty, None)
         level_rng = random.Random(f"math-levels:{seed}")
         chosen = [difficulty if difficulty is not None else level_rng.choice(self.levels) for _ in range(n)]
         return [generate_task(seed, i, level) for i, level in enumerate(chosen)]
 
-    def _sample_data(self, seed: int, n: int, difficulty: int | None) -> list[Task]:
-        pool = [t for t in self.tasks if difficulty is None or t.difficulty == difficulty]
+    @staticmethod
+    def _sample_data(
+        tasks: Sequence[Task], seed: int, n: int, difficulty: int | None, split: str | None
+    ) -> list[Task]:
+        pool = [t for t in tasks if difficulty is None or t.difficulty == difficulty]
+        if not pool:
+            level = "" if difficulty is None else f" of difficulty {difficulty}"
+            where = "" if split is None else f" in the {split!r} split (give {split}_jsonl or tfds_name)"
+            raise ValueError(f"math: no data tasks{level}{where}")
         rng = random.Random(f"math-data:{seed}")
         return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
 

@@ -1,0 +1,182 @@
+"""Options of the GRPO loop, each through the main job (`rl.train.train` on configs/grpo.py:test): the
+metric that shows the option acts is checked, not only that nothing crashed.
+
+To keep the suite within its time budget, options that do not interact share a run (PPO updates, KL to the
+reference, top-k/top-p, an environment kwarg; routing replay with the group drafter); each assertion names
+the option it checks. Every run is 3 GRPO steps on the tiny model after a 10-step warm start.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from configs import grpo
+from model.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(**rl):
+    cfg = grpo.get_config("test")
+    cfg.rl.steps, cfg.rl.checkpoint_every = 3, 3
+    cfg.rl.update(rl)
+    return cfg
+
+
+def _records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _steps(workdir):
+    return [r for r in _records(workdir) if "train/loss" in r]
+
+
+def test_ppo_epochs_kl_top_k_and_env_kwargs(tmp_path):
+    from rl import train
+
+    cfg = _cfg(ppo_epochs=2, mini_batches=2, top_k=200, top_p=0.99)
+    cfg.rl.sft.steps = 2  # a shorter warm start: the filtered sampler still misses, groups carry variance
+    cfg.rl.loss.update(kl_kind="k3", kl_coef=0.1)
+    cfg.rl.optim.lr = 1e-2  # big enough steps that the second update's ratio leaves the clip range
+    cfg.rl.env.debug = {"delay_median_s": 0.001}
+    out = train.train(cfg, str(tmp_path), run_eval=False)
+    assert out["steps"] == 3 and out["engine"]["compiles_after_warmup"] == 0
+    steps = [r for r in _steps(tmp_path) if r["train/loss"] is not None]
+    assert len(steps) == len(_steps(tmp_path)) >= 1  # steps with a reward signal trained, all finite
+    for r in steps:
+        assert r["train/updates"] == 4.0  # ppo_epochs x mini_batches optimizer steps per batch
+        assert np.isfinite(r["train/loss"])
+    # ppo_epochs=2: from the second update on, the ratio moves and clipping engages.
+    assert max(r["train/clip_fraction"] for r in steps) > 0
+    assert max(r["train/ratio_max"] for r in steps) > 1.0
+    # kl_kind: the policy moves away from the frozen step-0 reference.
+    assert steps[-1]["train/kl"] > 0
+    # top-k/top-p: the trainer scores under the sampler's processing, so the sampler's and the trainer's
+    # log-probs of the sampled tokens agree (f32 engine vs f32 trainer: rounding only).
+    for r in steps:
+        assert abs(r["train/mismatch_kl"]) < 1e-5, r["train/mismatch_kl"]
+        assert r["train/mismatch_out_of_band"] == 0.0
+    # rl.env.debug.delay_median_s reached the environment: every task carries a drawn delay.
+    with open(tmp_path / "samples.jsonl") as f:
+        episodes = [json.loads(line) for line in f]
+    assert episodes and all(e["metadata"]["delay_s"] > 0 for e in episodes)
+
+
+def test_routing_replay_with_group_drafter(tmp_path):
+    from rl import train
+
+    cfg = _cfg(routing_replay=True)
+    cfg.rl.engine.draft = "group"
+    out = train.train(cfg, str(tmp_path), run_eval=False)
+    assert out["steps"] == 3 and out["engine"]["compiles_after_warmup"] == 0
+    steps = _steps(tmp_path)
+    # The replayed forward matches the sampler's routing: on the f32 tiny model the sampler's and the
+    # trainer's log-probs agree up to rounding.
+    assert all(abs(r["train/mismatch_kl"]) < 1e-5 for r in steps)
+    # The group drafter proposes from sibling samples ("Reply with: ok": the samples share their text).
+    assert out["engine"]["accepted_tokens"] > 0
+    assert max(r["engine/tokens_per_target_forward"] for r in steps) > 1.0
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_drafters_in_the_rollout(tmp_path, draft):
+    from rl import train
+
+    cfg = _cfg(async_rollout=draft == "ngram")
+    cfg.rl.engine.draft = draft
+    out = train.train(cfg, str(tmp_path), run_eval=False)
+    assert out["steps"] == 3 and out["engine"]["compiles_after_warmup"] == 0
+    steps = _steps(tmp_path)
+    assert out["engine"]["accepted_tokens"] > 0, out["engine"]
+    assert "engine/acceptance_rate" in steps[-1]
+    if draft == "model":  # kept in step with the policy: distillation after each update
+        assert all(np.isfinite(r["draft/cross_entropy"]) for r in steps)
+
+
+def test_config_error_before_any_work(tmp_path):
+    """A bad field is refused by name before the pool, the model or the SFT exist: nothing is written."""
+    from rl import train
+
+    for field, value, match in [
+        ("loss.clip_low", -0.1, "rl.loss.clip_low"),
+        ("advantage_std", "grp", "rl.advantage_std"),
+        ("max_staleness", -1, "rl.max_staleness"),
+        ("mini_batches", 3, "rl.mini_batches"),
+        ("engine.draft", "medusa", "rl.engine.draft"),
+        ("temperature", 0.0, "rl.temperature"),
+    ]:
+        cfg = _cfg()
+        node, leaf = cfg.rl, field
+        if "." in field:
+            block, leaf = field.split(".")
+            node = cfg.rl[block]
+        node[leaf] = value
+        workdir = tmp_path / field
+        start = time.perf_counter()
+        with pytest.raises(ConfigError, match=match):
+            train.train(cfg, str(workdir), run_eval=False)
+        assert time.perf_counter() - start < 5.0, field  # no SFT, no pool, no compile first
+        assert not workdir.exists(), field
+    cfg = _cfg()
+    cfg.rl.env.debug = {"delay_mediansecs": 1.0}
+    with pytest.raises(ConfigError, match=r"rl\.env\.debug.*delay_mediansecs.*delay_median_s"):
+        train.train(cfg, str(tmp_path / "env"), run_eval=False)
+
+
+def test_changed_model_config_is_refused_on_resume(tmp_path):
+    from rl import checkpoint, train
+
+    cfg = _cfg(steps=1, checkpoint_every=1)
+    train.train(cfg, str(tmp_path), run_eval=False)
+    changed = _cfg(steps=2, checkpoint_every=1)
+    changed.model.rope.theta = 5000.0  # same shapes, another model
+    with pytest.raises(checkpoint.ConfigMismatch, match="rope.theta"):
+        train.train(changed, str(tmp_path), run_eval=False)
+
+
+def test_sigterm_during_sft_saves_and_resumes(tmp_path):
+    """SIGTERM in the warm start: the SFT progress is saved (step 0, sft_step < steps) and the next start
+    continues it instead of starting over."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(ROOT, ".jax_cache")
+    command = [
+        sys.executable,
+        "-m",
+        "rl.train",
+        "--config=configs/grpo.py:test",
+        f"--workdir={tmp_path}",
+        "--eval=false",
+        "--config.rl.sft.steps=100000",
+        "--config.rl.steps=1",
+    ]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    metrics = tmp_path / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 0, output[-3000:]
+    from rl import checkpoint
+
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", save_every=1)
+    meta = ckpt.read_meta()
+    ckpt.close()
+    done = meta["sft_step"]
+    assert 5 <= done < 100000 and meta["step"] == 0
+    # The console stays quiet: library INFO lines went to log.txt.
+    assert "checkpoint_manager.py" not in output and (tmp_path / "log.txt").exists()
+    resumed = command[:-2] + [f"--config.rl.sft.steps={done + 3}", "--config.rl.steps=1"]
+    done_run = subprocess.run(resumed, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done_run.returncode == 0, done_run.stderr[-3000:]
+    sft_steps = [r["step"] for r in _records(tmp_path) if "sft/cross_entropy" in r]
+    assert sft_steps[-3:] == [done, done + 1, done + 2]  # continued, not restarted
+    assert [r["step"] for r in _steps(tmp_path)] == [1]
