@@ -180,3 +180,20 @@ def test_sigterm_during_sft_saves_and_resumes(tmp_path):
     sft_steps = [r["step"] for r in _records(tmp_path) if "sft/cross_entropy" in r]
     assert sft_steps[-3:] == [done, done + 1, done + 2]  # continued, not restarted
     assert [r["step"] for r in _steps(tmp_path)] == [1]
+
+
+def test_rl_evaluate_reproduces_the_runs_eval_after(tmp_path):
+    """`rl.evaluate` on a saved run scores the run's own held-out tasks (levels, prompt-length filter, seed):
+    its numbers are those of the run's eval_after.json."""
+    from rl import evaluate, train
+
+    cfg = _cfg(steps=1, checkpoint_every=1, domains=("arith",), max_prompt_len=12, max_new_tokens=8)
+    cfg.rl.levels = {"arith": (1, 2)}
+    cfg.rl.eval.n_tasks, cfg.rl.eval.k = 6, 2
+    train.train(cfg, str(tmp_path), run_eval=True)
+    after = json.loads((tmp_path / "eval_after.json").read_text())
+    report = evaluate.run(str(tmp_path))
+    assert report["step"] == 1
+    # The same samples: statuses and generated lengths agree, not only the (here small) pass rates.
+    for key in ("tasks", "samples", "pass@1", "pass@k", "reward", "status", "generated_tokens_per_task"):
+        assert report["results"]["arith"][key] == after["arith"][key], key
