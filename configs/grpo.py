@@ -128,7 +128,11 @@ def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
     rl.draft_train_steps = 1
     # Environment options: rl.env.<domain>.<kwarg> goes to that domain's constructor in every worker and
     # in the trainer's task streams, e.g. --config.rl.env.code.reward=fraction (checked at start).
+    # Blocks listed here can be set from the command line (absl adds no new keys); a config file may add any
+    # domain's block (e.g. rl.env.math = {"train_jsonl": ..., "test_jsonl": ...} for GSM8K data).
     rl.env = ml_collections.ConfigDict()
+    rl.env.code = ml_collections.ConfigDict({"reward": "all_or_nothing"})  # or "fraction" of tests passed
+    rl.env.terminal = ml_collections.ConfigDict({"disturbance": False})  # True: the world changes mid-task
     sft = rl.sft = ml_collections.ConfigDict()  # warm start on reference solutions (no checkpoint yet)
     sft.steps = 20 if name == "tiny" else 200
     sft.rows = 16

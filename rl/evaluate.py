@@ -282,12 +282,15 @@ def run(
         # The model config rl.train checkpoints with: a checkpoint of another model is refused, by field.
         ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model)
         try:
-            restored = ckpt.restore(step, target_state=state)
+            from rl import train as train_lib
+
+            meta = ckpt.read_meta(step)
+            if meta is None:
+                raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first (python -m rl.train ...)")
+            tree, meta = ckpt.restore(step, target_state=train_lib.checkpoint_target(cfg, state, meta))
+            state = train_lib.unpack(tree)[0]
         finally:
             ckpt.close()
-        if restored is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first (python -m rl.train ...)")
-        state, meta = restored
         engine = Engine(cfg, state.params, validate.engine_config(cfg))
         sampling = rollout.sampling_params(rl, tokenizer, seed=seed)
         results = evaluate(

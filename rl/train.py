@@ -115,7 +115,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 _, state = _sft_state(cfg, rl.seed, params=state.params)
             target = _pack(state, None if in_sft else ref_params, draft_state)
             tree, meta = ckpt.restore(target_state=target)
-            state, restored_ref, draft_state = _unpack(tree)
+            state, restored_ref, draft_state = unpack(tree)
             ref_params = restored_ref if restored_ref is not None else ref_params
             source.set_state(meta)
             start_step, version = meta["step"], meta["version"]
@@ -465,7 +465,22 @@ def _pack(state, ref_params, draft_state):
     return tree
 
 
-def _unpack(tree):
+def checkpoint_target(cfg, state, meta: dict):
+    """The restore target of a checkpoint with `meta`: the train state, with the reference and the draft
+    state when the run keeps them (shapes from `cfg`; values are placeholders)."""
+    from rl import validate
+
+    rl = cfg.rl
+    in_sft = meta.get("sft_step", rl.sft.steps) < rl.sft.steps
+    draft_state = None
+    if rl.engine.draft == "model":
+        draft_state = _sft_state(validate.draft_model_config(cfg), rl.seed)[1]
+    ref = None if in_sft or rl.loss.kl_kind == "none" else _reference(state.params, rl.reference_dtype)
+    return _pack(state, ref, draft_state)
+
+
+def unpack(tree):
+    """(train state, reference params or None, draft state or None) of a checkpointed tree."""
     if not isinstance(tree, dict):
         return tree, None, None
     return tree["train"], tree.get("reference"), tree.get("draft")

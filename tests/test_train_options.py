@@ -190,6 +190,7 @@ def test_rl_evaluate_reproduces_the_runs_eval_after(tmp_path):
     cfg = _cfg(steps=1, checkpoint_every=1, domains=("arith",), max_prompt_len=12, max_new_tokens=8)
     cfg.rl.levels = {"arith": (1, 2)}
     cfg.rl.eval.n_tasks, cfg.rl.eval.k = 6, 2
+    cfg.rl.loss.update(kl_kind="k3", kl_coef=0.01)  # the checkpoint holds the reference too
     train.train(cfg, str(tmp_path), run_eval=True)
     after = json.loads((tmp_path / "eval_after.json").read_text())
     report = evaluate.run(str(tmp_path))
