@@ -10,6 +10,9 @@ Layout:
 
 import ml_collections
 
+from configs import schema
+from configs.schema import Bool, Choice, Float, Int
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
 # Logical axis -> mesh axes. Parameters use the bare names, activations the `act_` names, so a
@@ -39,52 +42,72 @@ DEFAULT_RULES = (
 )
 
 
+def _attention_impls() -> tuple:
+    from model.attention import ATTENTION_IMPLS  # late: configs stay importable without JAX
+
+    return tuple(sorted(ATTENTION_IMPLS))
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Every model field: default, what it does, allowed values. Rules tying fields together (heads divisible by
+# kv heads, top_k <= num_experts, sizes divisible by mesh axes) are in model/config.py.
+MODEL = {
+    "vocab_size": Int(256, "token vocabulary size", lo=1),
+    "d_model": Int(64, "residual stream width", lo=1),
+    "num_layers": Int(2, "transformer blocks", lo=1),
+    "num_heads": Int(4, "query heads (a multiple of num_kv_heads)", lo=1),
+    "num_kv_heads": Int(2, "key/value heads (GQA)", lo=1),
+    "head_dim": Int(16, "width of one attention head (even, for RoPE)", lo=2),
+    "d_ff": Int(128, "width of dense (non-MoE) SwiGLU layers", lo=1),
+    "norm_eps": Float(1e-6, "RMSNorm epsilon", lo=0, lo_open=True),
+    "tie_embeddings": Bool(False, "the output projection is the embedding matrix"),
+    "qk_norm": Bool(False, "Qwen3-style per-head RMSNorm on queries and keys"),
+    "attention_impl": Choice(
+        "auto", "auto: flash on TPU/GPU, chunked elsewhere (model/attention.py)", _attention_impls
+    ),
+    "attention_bias": Bool(False, "a bias on the q/k/v projections (Qwen2)"),
+    "rope.theta": Float(10_000.0, "RoPE base", lo=0, lo_open=True),
+    "rope.scaling": Choice("none", "context extension of RoPE", ("none", "linear", "llama3", "yarn")),
+    "rope.factor": Float(1.0, "context extension factor (scaling != none)", lo=1),
+    "rope.original_max_position": Int(4096, "pre-training context of a scaled RoPE", lo=1),
+    "rope.low_freq_factor": Float(1.0, "llama3 scaling: low-frequency band edge", lo=0, lo_open=True),
+    "rope.high_freq_factor": Float(
+        4.0, "llama3 scaling: high-frequency band edge (> low)", lo=0, lo_open=True
+    ),
+    "rope.beta_fast": Float(32.0, "yarn scaling: fast ramp edge (rotations)", lo=0, lo_open=True),
+    "rope.beta_slow": Float(1.0, "yarn scaling: slow ramp edge (rotations)", lo=0, lo_open=True),
+    "moe.num_experts": Int(0, "routed experts per MoE layer; 0: every layer is dense", lo=0),
+    "moe.top_k": Int(2, "experts per token (<= num_experts)", lo=1),
+    "moe.d_ff": Int(128, "width of one routed expert", lo=1),
+    "moe.num_shared_experts": Int(0, "experts every token goes through", lo=0),
+    "moe.shared_d_ff": Int(128, "width of one shared expert", lo=1),
+    "moe.first_dense_layers": Int(0, "the first N layers use the dense MLP (DeepSeek/Kimi style)", lo=0),
+    "moe.router": Choice(
+        "softmax", "sigmoid: DeepSeek-V3 scores with a selection bias", ("softmax", "sigmoid")
+    ),
+    "moe.renormalize": Bool(True, "renormalise the top-k weights to sum to one"),
+    "moe.routed_scaling": Float(1.0, "multiplies the routed output (DeepSeek-V3: 2.5)", lo=0, lo_open=True),
+    "moe.impl": Choice(
+        "ragged", "ragged (dropless) or capacity (fixed slots per expert)", ("ragged", "capacity")
+    ),
+    "moe.capacity_factor": Float(
+        1.25, "capacity impl: slots per expert = factor * tokens * top_k / E", lo=0, lo_open=True
+    ),
+    "moe.load_balance_weight": Float(0.01, "weight of the load-balancing auxiliary loss", lo=0),
+    "moe.z_loss_weight": Float(1e-3, "weight of the router z-loss", lo=0),
+    "moe.bias_update_rate": Float(1e-3, "aux-loss-free balancing: step size of the selection bias", lo=0),
+    "scan_layers": Bool(True, "one scanned block per layer kind (fast compiles)"),
+    "remat": Choice(
+        "none", "activation recomputation in the backward pass", ("none", "full", "dots_saveable")
+    ),
+    "param_dtype": Choice("float32", "dtype of the stored parameters", DTYPES),
+    "compute_dtype": Choice("float32", "dtype of activations and matmuls", DTYPES),
+}
+
+
 def model_defaults() -> ml_collections.ConfigDict:
-    m = ml_collections.ConfigDict()
-    m.vocab_size = 256
-    m.d_model = 64
-    m.num_layers = 2
-    m.num_heads = 4
-    m.num_kv_heads = 2
-    m.head_dim = 16
-    m.d_ff = 128  # width of dense (non-MoE) SwiGLU layers
-    m.norm_eps = 1e-6
-    m.tie_embeddings = False
-    m.qk_norm = False  # Qwen3-style per-head RMSNorm on queries and keys
-    m.attention_impl = "auto"  # flash on TPU/GPU, chunked elsewhere (model/attention.py)
-    m.attention_bias = False  # Qwen2 uses a bias on q/k/v projections
-
-    m.rope = ml_collections.ConfigDict()
-    m.rope.theta = 10_000.0
-    m.rope.scaling = "none"  # none | linear | llama3 | yarn
-    m.rope.factor = 1.0
-    m.rope.original_max_position = 4096
-    m.rope.low_freq_factor = 1.0  # llama3
-    m.rope.high_freq_factor = 4.0  # llama3
-    m.rope.beta_fast = 32.0  # yarn
-    m.rope.beta_slow = 1.0  # yarn
-
-    m.moe = ml_collections.ConfigDict()
-    m.moe.num_experts = 0  # 0: every layer is dense
-    m.moe.top_k = 2
-    m.moe.d_ff = 128  # width of one routed expert
-    m.moe.num_shared_experts = 0
-    m.moe.shared_d_ff = 128  # width of one shared expert
-    m.moe.first_dense_layers = 0  # the first N layers use the dense MLP (DeepSeek/Kimi style)
-    m.moe.router = "softmax"  # softmax | sigmoid (DeepSeek-V3: sigmoid scores, selection bias)
-    m.moe.renormalize = True  # renormalise the top-k weights to sum to one
-    m.moe.routed_scaling = 1.0  # multiplies the routed output (DeepSeek-V3 uses 2.5)
-    m.moe.impl = "ragged"  # ragged (dropless) | capacity
-    m.moe.capacity_factor = 1.25  # capacity impl: slots per expert = factor * tokens * top_k / E
-    m.moe.load_balance_weight = 0.01
-    m.moe.z_loss_weight = 1e-3
-    m.moe.bias_update_rate = 1e-3  # aux-loss-free balancing: step size of the selection bias
-
-    m.scan_layers = True
-    m.remat = "none"  # none | full | dots_saveable
-    m.param_dtype = "float32"
-    m.compute_dtype = "float32"
-    return m
+    return schema.build(MODEL)
 
 
 def mesh_defaults() -> ml_collections.ConfigDict:

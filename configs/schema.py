@@ -1,0 +1,222 @@
+"""python -m configs.schema   (prints the README's field list)
+
+Each config field's type and allowed values, next to its default and its comment, in one table per block:
+`configs/base.py` (`MODEL`), `rl/grpo.py` (`LOSS`), `configs/grpo.py` (`RL`). A table maps a dotted name to a
+`Field`; `build(table)` gives the block's ConfigDict of defaults, `check(node, table, prefix)` raises a
+`ConfigError` naming the first field of the wrong type, out of range, or unknown (a typo in a config file),
+and `markdown()` writes the field list. Rules that tie fields together (a divisor of the batch, a domain
+named in two places) stay with the code that needs them (`model/config.py`, `rl/validate.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ml_collections
+
+KINDS = ("int", "float", "bool", "str", "choice", "names", "ints", "block")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    default: Any
+    doc: str
+    kind: str
+    lo: float | None = None  # int / float / ints: smallest allowed value
+    hi: float | None = None  # int / float: largest allowed value
+    lo_open: bool = False  # float: lo itself not allowed
+    hi_open: bool = False
+    choices: tuple | Callable[[], tuple] = ()  # choice / names; a callable is asked when checking
+    value: Field | None = None  # block: the field of every entry (keys are free, e.g. domain names)
+    of: Mapping[str, Field] | None = None  # block: partial overrides of another table's fields
+
+    def allowed(self) -> tuple:
+        return tuple(self.choices() if callable(self.choices) else self.choices)
+
+    def describe(self) -> str:
+        """The allowed values in words: 'int >= 1', 'float in (0, 1]', 'one of (...)'."""
+        if self.kind in ("int", "float", "ints"):
+            name = {"int": "int", "float": "float", "ints": "tuple of ints"}[self.kind]
+            if self.lo is not None and self.hi is not None:
+                left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+                return f"{name} in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
+            if self.lo is not None:
+                return f"{name} {'>' if self.lo_open else '>='} {_num(self.lo)}"
+            if self.hi is not None:
+                return f"{name} {'<' if self.hi_open else '<='} {_num(self.hi)}"
+            return name
+        if self.kind == "choice":
+            return "one of " + ", ".join(repr(c) for c in self.allowed())
+        if self.kind == "names":
+            return "distinct names from " + ", ".join(repr(c) for c in self.allowed())
+        if self.kind == "block":
+            if self.of is not None:
+                return "overrides of fields named above"
+            return f"mapping to {self.value.describe()}" if self.value else "mapping"
+        return self.kind
+
+    def check(self, path: str, v: Any) -> None:
+        """Raises ConfigError('path=value must be ...') unless `v` is allowed."""
+        bad = lambda why="": ConfigError(f"{path}={v!r} must be {self.describe()}{why}")
+        if self.kind == "bool":
+            if not isinstance(v, bool):
+                raise bad()
+        elif self.kind == "int":
+            if not (_is_int(v) and self._in_range(v)):
+                raise bad()
+        elif self.kind == "float":
+            ok = _is_num(v) and math.isfinite(v) and self._in_range(v)
+            if not ok:
+                raise bad()
+        elif self.kind == "str":
+            if not isinstance(v, str):
+                raise bad()
+        elif self.kind == "choice":
+            allowed = self.allowed()
+            if v not in allowed or not isinstance(v, type(allowed[0])):
+                raise ConfigError(f"{path}={v!r} is unknown; choose one of {allowed}")
+        elif self.kind == "names":
+            allowed = self.allowed()
+            if not isinstance(v, (tuple, list)) or not v or len(set(v)) != len(v):
+                raise ConfigError(f"{path}={v!r} must be a non-empty tuple of distinct names from {allowed}")
+            for name in v:
+                if name not in allowed:
+                    raise ConfigError(
+                        f"{path}={tuple(v)!r} names {name!r}, which is unknown; known: {allowed}"
+                    )
+        elif self.kind == "ints":
+            if (
+                not isinstance(v, (tuple, list))
+                or not v
+                or not all(_is_int(x) and self._in_range(x) for x in v)
+            ):
+                raise ConfigError(f"{path}={v!r} must be a non-empty tuple of ints >= {_num(self.lo)}")
+        elif self.kind == "block":
+            if not isinstance(v, (Mapping, ml_collections.ConfigDict)):
+                raise ConfigError(f"{path}={v!r} must be a block of fields (a ConfigDict)")
+            if self.of is not None:
+                check(v, self.of, path, partial=True)
+            elif self.value is not None:
+                for key in v:
+                    self.value.check(f"{path}.{key}", v[key])
+        else:
+            raise AssertionError(self.kind)
+
+    def _in_range(self, v) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def Int(default: int, doc: str, lo: int | None = None, hi: int | None = None) -> Field:
+    return Field(default, doc, "int", lo=lo, hi=hi)
+
+
+def Float(default: float, doc: str, lo=None, hi=None, *, lo_open=False, hi_open=False) -> Field:
+    return Field(float(default), doc, "float", lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
+
+
+def Bool(default: bool, doc: str) -> Field:
+    return Field(default, doc, "bool")
+
+
+def Text(default: str, doc: str) -> Field:
+    return Field(default, doc, "str")
+
+
+def Choice(default, doc: str, choices: tuple | Callable[[], tuple]) -> Field:
+    return Field(default, doc, "choice", choices=choices)
+
+
+def Names(default: tuple, doc: str, choices: Callable[[], tuple]) -> Field:
+    return Field(tuple(default), doc, "names", choices=choices)
+
+
+def Ints(doc: str, lo: int = 0) -> Field:
+    """A block's entry: a non-empty tuple of ints >= lo (e.g. a domain's difficulty levels)."""
+    return Field((), doc, "ints", lo=lo)
+
+
+def Block(doc: str, default: Mapping | None = None, *, value: Field | None = None, of=None) -> Field:
+    """A block of free keys: every entry checked by `value`, or partial overrides of table `of`."""
+    return Field(dict(default or {}), doc, "block", value=value, of=of)
+
+
+def build(table: Mapping[str, Field]) -> ml_collections.ConfigDict:
+    """The ConfigDict of a table's defaults (dotted names make nested blocks)."""
+    root = ml_collections.ConfigDict()
+    for name, f in table.items():
+        *parents, leaf = name.split(".")
+        node = root
+        for p in parents:
+            if p not in node:
+                node[p] = ml_collections.ConfigDict()
+            node = node[p]
+        node[leaf] = ml_collections.ConfigDict(f.default) if f.kind == "block" else f.default
+    return root
+
+
+def check(node, table: Mapping[str, Field], prefix: str, *, partial: bool = False) -> None:
+    """Checks every field of `node` against `table`; unknown fields are refused. `partial`: fields may be
+    missing (overrides)."""
+    seen = set()
+    for name, value in _leaves(node, table):
+        path = f"{prefix}.{name}"
+        if name not in table:
+            known = sorted(n for n in table if n.rsplit(".", 1)[0] == name.rsplit(".", 1)[0] or "." not in n)
+            raise ConfigError(f"{path} is not a field of {prefix}; known fields: {known}")
+        table[name].check(path, value)
+        seen.add(name)
+    if not partial:
+        missing = sorted(set(table) - seen)
+        if missing:
+            raise ConfigError(f"{prefix}.{missing[0]} is missing; start from the config file's get_config()")
+
+
+def _leaves(node, table, parent: str = ""):
+    """(dotted name, value) of every field: a sub-block is descended unless the table names it as a block."""
+    for key in node:
+        name = f"{parent}{key}"
+        value = node[key]
+        is_block = isinstance(value, (Mapping, ml_collections.ConfigDict))
+        if is_block and not (name in table and table[name].kind == "block"):
+            yield from _leaves(value, table, name + ".")
+        else:
+            yield name, value
+
+
+def markdown() -> str:
+    """The README's field list: one row per field of MODEL, LOSS and RL (type, default, what it does)."""
+    from configs import base
+    from configs import grpo as grpo_config
+    from rl import grpo
+
+    rows = ["| field | allowed | default | what it does |", "|---|---|---|---|"]
+    for prefix, table in (("model", base.MODEL), ("rl.loss", grpo.LOSS), ("rl", grpo_config.RL)):
+        for name, f in table.items():
+            default = "" if f.kind == "block" and not f.default else f"`{f.default!r}`"
+            rows.append(f"| `{prefix}.{name}` | {f.describe()} | {default} | {f.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
