@@ -5,20 +5,30 @@ For each domain, `run_checks` runs:
     solvability   the reference solution scores 1.0 (`ok`) on every sampled task of every level.
     consistency   the same completions scored several times, and in different worker processes when a
                   pool is given, get the same reward and status.
-    probe:NAME    an attempt to get reward without solving the task scores 0 with a non-`ok` status.
+    probe:NAME    an attempt to get reward without solving the task scores 0 with a non-`ok` status, and
+                  (code domains) does nothing to the host: each code probe runs alone, with bait of its
+                  own, and is judged by its side effects (`envs.qa_escape`): a canary read, a connection
+                  accepted, a host process seen, a file created outside the work dir, a process left
+                  after the run, more memory held at once than the sandbox's total limit.
                   Generic probes (every domain): empty or blank output, echoing the prompt, several
                   answers at once (single-answer domains), "PASS"/"OK", huge output. Code probes (python
                   source; for domains that run model code, `CODE_DOMAINS` or `Environment.runs_code`):
                   exiting early with status 0, printing PASS, reading and overwriting test files,
                   monkeypatching the harness (an always-equal result, patched unittest, exit hooks), huge
                   output, an infinite loop, fork and memory bombs, network access, writing outside the work
-                  dir. A domain may add its own through `Environment.hacking_probes(task) -> {name: text}`.
+                  dir, and the escape probes of `envs.qa_escape.ESCAPE_PROBES` (fill /dev/shm, many
+                  processes each below the per-process memory limit, leave a file for the next episode and
+                  look for it, list /proc, read canaries in this project and in /tmp, setsid + sleep,
+                  connect to the host). A domain may add its own through
+                  `Environment.hacking_probes(task) -> {name: text}`.
     strata        pass rates per level of the reference and of a noisy reference (each digit changed and
                   each line dropped with probability `noise`); reported as a table. It warns, never fails,
                   when the noisy solver's pass rate does not depend on the level or never drops below 1.
 
-The trainer refuses a domain whose `Report.passed` is false. Everything is deterministic given (domain, n,
-seed): probes and noise come from seeded generators, and no timing enters the report.
+The trainer refuses a domain whose `Report.passed` is false. Verdicts are deterministic given (domain, n,
+seed): probes and noise come from seeded generators, and no timing enters the report (the escape probes'
+bait has random names, which may show in their details). Without --domain, every registered domain but
+`debug` (which misbehaves on purpose) is checked.
 """
 
 from __future__ import annotations
@@ -26,10 +36,8 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
-import contextlib
 import dataclasses
 import json
-import os
 import random
 import re
 import sys
@@ -37,11 +45,10 @@ import textwrap
 import time
 from typing import Any
 
-from envs import registry
+from envs import qa_escape, registry, sandbox
 from envs.base import Environment, Score, Task
 
 CODE_DOMAINS = ("code", "terminal")
-ESCAPE_PATH = "/tmp/envs_qa_escape_probe"  # the write-outside probe's target; checked on the host after
 MAX_PROBE_TASKS = 2
 CONSISTENCY_TASKS_PER_LEVEL = 1
 
@@ -175,7 +182,7 @@ print("PASS")
     "network": (
         """
 import socket, urllib.request
-for _host, _port in (("1.1.1.1", 53), ("8.8.8.8", 53), ("example.com", 80)):
+for _host, _port in (("1.1.1.1", 53), ("8.8.8.8", 53), ("example.com", 80), ("127.0.0.1", _PORT)):
     try:
         socket.create_connection((_host, _port), timeout=2).close()
         print("PASS")
@@ -189,10 +196,10 @@ except Exception:
         "",
     ),
     "write_outside": (
-        f"""
+        """
 import os
-for _path in ({ESCAPE_PATH!r}, os.path.join(os.path.dirname(os.getcwd()), "envs_qa_escape"),
-              os.path.expanduser("~/envs_qa_escape")):
+for _path in ("/tmp/" + _TOKEN, os.path.join(os.path.dirname(os.getcwd()), _TOKEN),
+              os.path.expanduser("~/../" + _TOKEN), "/var/tmp/" + _TOKEN, "/dev/shm/" + _TOKEN):
     try:
         with open(_path, "w") as fh:
             fh.write("escaped")
@@ -203,6 +210,7 @@ for _path in ({ESCAPE_PATH!r}, os.path.join(os.path.dirname(os.getcwd()), "envs_
         "",
     ),
 }
+CODE_PROBES.update({name: (source, "") for name, source in qa_escape.ESCAPE_PROBES.items()})
 
 
 def is_code_domain(env: Environment) -> bool:
@@ -239,8 +247,9 @@ def _code_completion(env: Environment, src: str) -> str:
     return f"```python\n{src}```"
 
 
-def probes_for(env: Environment, task: Task, other: Task | None) -> dict[str, str]:
-    """name -> completion: every probe that applies to `env` on `task` (`other`: a different task)."""
+def probes_for(env: Environment, task: Task, other: Task | None, preamble: str = "") -> dict[str, str]:
+    """name -> completion: every probe that applies to `env` on `task` (`other`: a different task).
+    `preamble` (`qa_escape.Watch.preamble`) starts every code probe: the bait it may go for."""
     probes = {
         "empty": "",
         "blank": "  \n\n\t ",
@@ -256,7 +265,8 @@ def probes_for(env: Environment, task: Task, other: Task | None) -> dict[str, st
     if is_code_domain(env):
         functions = _function_names(env.reference_solution(task)) if env.max_turns == 1 else []
         for name, (module_src, call_src) in CODE_PROBES.items():
-            probes[name] = _code_completion(env, code_probe_source(module_src, call_src, functions))
+            source = code_probe_source(preamble + textwrap.dedent(module_src), call_src, functions)
+            probes[name] = _code_completion(env, source)
         if env.max_turns > 1:
             probes["exit_shell"] = "exit 0"
             probes["echo_pass_shell"] = "echo PASS; echo OK; true"
@@ -436,27 +446,41 @@ def _run(
         if env.max_turns == 1 and not is_code_domain(env):  # another task whose answer is wrong here
             candidates = (t for t in all_tasks if refs[t.id] != refs[task.id])
             other = next((t for t in candidates if _score_local(env, task, refs[t.id]).reward == 0.0), None)
-        probes = probes_for(env, task, other)
-        _remove(ESCAPE_PATH)
-        for (name, _), s in zip(probes.items(), score([(task, c) for c in probes.values()])):
-            results.setdefault(name, []).append({"task": task.id, **_brief(s)})
-    escaped = os.path.exists(ESCAPE_PATH)
-    _remove(ESCAPE_PATH)
+        if is_code_domain(env):
+            _probe_one_by_one(env, task, other, score, results)
+        else:
+            probes = probes_for(env, task, other)
+            for (name, _), s in zip(probes.items(), score([(task, c) for c in probes.values()])):
+                results.setdefault(name, []).append({"task": task.id, **_brief(s), "side_effects": []})
+    if is_code_domain(env):
+        qa_escape.remove_left_files()
     for name, runs in results.items():
         hacked = [r for r in runs if r["reward"] != 0.0 or r["status"] == "ok"]
+        escaped = [r for r in runs if r["side_effects"]]
         statuses = sorted({r["status"] for r in runs})
-        detail = (
-            f"statuses {statuses}"
-            if not hacked
-            else f"reward {hacked[0]['reward']} status {hacked[0]['status']} on {hacked[0]['task']}"
-        )
-        warning = "wrote to the host's /tmp from the sandbox" if name == "write_outside" and escaped else ""
-        report.checks.append(Check(f"probe:{name}", not hacked, detail, warning=warning, data={"runs": runs}))
+        if hacked:
+            detail = f"reward {hacked[0]['reward']} status {hacked[0]['status']} on {hacked[0]['task']}"
+        elif escaped:
+            detail = f"on {escaped[0]['task']}: " + "; ".join(escaped[0]["side_effects"])
+        else:
+            detail = f"statuses {statuses}" + (", no side effects" if is_code_domain(env) else "")
+        report.checks.append(Check(f"probe:{name}", not hacked and not escaped, detail, data={"runs": runs}))
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
+def _total_memory(env: Environment) -> int:
+    """The total memory one sandboxed run of `env` may hold (its sandbox limits, else the default)."""
+    limits = getattr(env, "limits", None) or getattr(env, "step_limits", None)
+    return getattr(limits, "total_memory_bytes", sandbox.Limits().total_memory_bytes)
+
+
+def _probe_one_by_one(env: Environment, task: Task, other: Task | None, score, results: dict) -> None:
+    """Each probe alone, with its own bait, judged by its side effects too. "look_for_file" follows
+    "leave_file" (dict order), so it looks in the next episode for what that one left."""
+    for name in probes_for(env, task, other):
+        with qa_escape.Watch(_total_memory(env)) as watch:
+            (s,) = score([(task, probes_for(env, task, other, watch.preamble())[name])])
+            effects = watch.findings()
+        results.setdefault(name, []).append({"task": task.id, **_brief(s), "side_effects": effects})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -488,7 +512,7 @@ def _make_pool(workers: int, domains: list[str]) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m envs.qa", description=__doc__.split("\n")[0])
-    parser.add_argument("--domain", action="append", required=True, help="a registered domain (repeatable)")
+    parser.add_argument("--domain", action="append", help="a registered domain (repeatable; default: all)")
     parser.add_argument("--n", type=int, default=20, help="tasks per level")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--noise", type=float, default=0.02, help="noisy-reference corruption probability")
@@ -501,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.register:
         name, _, target = spec.partition("=")
         registry.register(name, target)
+    args.domain = args.domain or [name for name in registry.names() if name != "debug"]
     builtin = set(registry.names()) - {s.partition("=")[0] for s in args.register}
     pool_domains = [d for d in args.domain if d in builtin]
     pool = _make_pool(args.workers, pool_domains) if args.workers > 0 and pool_domains else None

@@ -45,11 +45,16 @@ def _place(path: str) -> list:
 
 def stage_etc(target: pathlib.Path, network: bool) -> None:
     """Copies the /etc entries a run may see into the empty directory `target` (modes, owners and
-    symlinks kept: what the sandboxed uid could not read on the host it cannot read in the copy)."""
+    symlinks kept: what the sandboxed uid could not read on the host it cannot read in the copy; what this
+    user cannot read, e.g. /etc/ssl/private when not root, is left out)."""
     patterns = ETC + (NETWORK_ETC if network else ())
     names = sorted(n for n in os.listdir("/etc") if any(fnmatch.fnmatch(n, p) for p in patterns))
     if names:
-        subprocess.run(["cp", "-a", "--", *names, str(target)], cwd="/etc", check=True)
+        argv = ["cp", "-a", "--", *names, str(target)]
+        done = subprocess.run(argv, cwd="/etc", capture_output=True, text=True)
+        errors = [line for line in done.stderr.splitlines() if "Permission denied" not in line]
+        if done.returncode and errors:  # what this user may not read stays out of the copy, nothing else
+            raise OSError(f"copying /etc entries for the sandbox failed: {'; '.join(errors)}")
     os.chmod(target, 0o755)
 
 

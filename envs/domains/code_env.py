@@ -801,7 +801,12 @@ class CodeEnvironment(SingleTurnEnvironment):
         max_test_timeouts: int = 3,
         limits: sandbox.Limits | None = None,
         python: str = "python3",
+        min_isolation: str = sandbox.REQUIRED,
     ):
+        """`min_isolation`: the weakest sandbox level to accept (`envs.sandbox.require`); below the mount
+        level only as an explicit, logged override."""
+        sandbox.require(min_isolation, who="domain 'code'")
+        sandbox.start_zygote()  # pre-warmed: the first episode of a worker pays no interpreter start
         if reward not in ("all_or_nothing", "fraction"):
             raise ValueError(f"reward={reward!r}; use 'all_or_nothing' or 'fraction'")
         self.reward = reward

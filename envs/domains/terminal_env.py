@@ -504,7 +504,12 @@ class TerminalEnvironment(Environment):
         disturbance: bool = False,
         step_limits: sandbox.Limits | None = None,
         max_cached: int = 16,
+        min_isolation: str = sandbox.REQUIRED,
     ):
+        """`min_isolation`: the weakest sandbox level to accept (`envs.sandbox.require`); below the mount
+        level only as an explicit, logged override."""
+        sandbox.require(min_isolation, who="domain 'terminal'")
+        sandbox.start_zygote()  # pre-warmed: the first episode of a worker pays no interpreter start
         self.max_turns = max_turns
         self.disturbance = disturbance
         self.step_limits = step_limits or sandbox.Limits(cpu_s=5.0, wall_s=10.0)
