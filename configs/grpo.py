@@ -92,6 +92,18 @@ def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
     rl.curriculum = "adaptive"  # adaptive (reward gain per unit of compute) | static
     rl.static_weights = ml_collections.ConfigDict()  # domain -> weight, for curriculum="static"
     rl.curriculum_floor = 0.1  # exploration floor of every domain's sampling weight
+    # Adaptive mode (rl/curriculum.py's docstring has the rule): each domain's reward gain per step and its
+    # standard error from a discounted regression over its last `window` observations; weights move towards
+    # the target the evidence supports, at most `max_step` per step.
+    rl.curriculum_window = 192  # observations per domain in the regression (>= 3)
+    rl.curriculum_half_life = 48.0  # steps after which an observation counts half (> 0; inf: no discount)
+    rl.curriculum_warmup = 16  # observations before a domain's estimate counts (0..window)
+    rl.curriculum_z = 1.0  # standard errors by which score differences shrink before setting shares (>= 0)
+    rl.curriculum_saturation_z = 3.0  # z of "gaining" (score > z se) and of a lead that saturates a domain
+    rl.curriculum_max_step = 0.01  # largest change of a weight per step (0, 1]
+    rl.curriculum_temperature = 1.0  # shares ∝ score ** (1 / T): < 1 sharpens, > 1 flattens (> 0)
+    rl.curriculum_token_cost = 1.0  # compute of one generated token (>= 0)
+    rl.curriculum_sandbox_second_cost = 1000.0  # compute of one sandbox second, in tokens (>= 0)
     rl.quality_gate = True  # refuse domains that fail envs.qa (run once at start, n=quality_gate_n)
     rl.quality_gate_n = 4
     rl.top_p, rl.top_k = 1.0, 0  # sampling filters (temperature is rl.temperature)

@@ -88,10 +88,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 for d in domains
             }
         )
-        kwargs = {"static_weights": dict(rl.static_weights) or None} if rl.curriculum == "static" else {}
-        scheduler = curriculum.DomainScheduler(
-            domains, mode=rl.curriculum, floor=rl.curriculum_floor, seed=rl.seed, **kwargs
-        )
+        scheduler = curriculum.from_config(rl, domains, seed=rl.seed)
         source = _TaskSource(cfg, streams, scheduler, tokenizer)
         logger = metrics.MetricsLogger(workdir, tensorboard=rl.tensorboard or False, total_steps=rl.steps)
         ckpt = checkpoint.Checkpointer(
@@ -353,15 +350,8 @@ class _TaskSource:
 
     def update_curriculum(self, step: int, draws: dict) -> dict[str, float]:
         with self.lock:
-            for d, draw in draws.items():
-                self.scheduler.update(
-                    d,
-                    step=step,
-                    mean_reward=draw.mean_reward,
-                    tokens_generated=float(draw.tokens),
-                    sandbox_seconds=draw.sandbox_seconds,
-                )
-            out = {f"weight/{d}": w for d, w in self.scheduler.weights().items()}
+            self.scheduler.observe(step, draws)
+            out = self.scheduler.metrics()
         out["rollout/skipped_long_prompts"] = float(self.skipped_long)
         return out
 

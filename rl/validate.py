@@ -151,11 +151,11 @@ def _check_domains(cfg, registry, curriculum) -> None:
             except (TypeError, ValueError, KeyError) as e:
                 raise ConfigError(str(e)) from None
     try:
-        kwargs = {"static_weights": dict(rl.static_weights) or None} if rl.curriculum == "static" else {}
-        curriculum.DomainScheduler(domains, mode=rl.curriculum, floor=rl.curriculum_floor, **kwargs)
+        curriculum.from_config(rl, domains)
     except ValueError as e:
+        msg = str(e)
         raise ConfigError(
-            f"rl.curriculum / rl.curriculum_floor / rl.static_weights / rl.domains: {e}"
+            msg if msg.startswith("rl.") else f"rl.static_weights / rl.domains: {msg}"
         ) from None
 
 
