@@ -67,6 +67,19 @@ MODEL = {
         "auto", "auto: flash on TPU/GPU, chunked elsewhere (model/attention.py)", _attention_impls
     ),
     "attention_bias": Bool(False, "a bias on the q/k/v projections (Qwen2)"),
+    "attention_kind": Choice(
+        "gqa", "gqa: grouped-query attention; mla: multi-head latent attention (DeepSeek-V3)", ("gqa", "mla")
+    ),
+    "mla.q_lora_rank": Int(0, "mla: width of the query low-rank path; 0: a full query projection", lo=0),
+    "mla.kv_lora_rank": Int(32, "mla: width of the compressed KV latent (what the cache holds)", lo=1),
+    "mla.qk_nope_head_dim": Int(16, "mla: per-head query/key width without RoPE", lo=1),
+    "mla.qk_rope_head_dim": Int(
+        8, "mla: query/key RoPE width, the key part shared by all heads (even)", lo=2
+    ),
+    "mla.v_head_dim": Int(16, "mla: per-head value width", lo=1),
+    "mla.rope_interleave": Bool(
+        True, "mla: RoPE pairs are adjacent dims (x0, x1) as in DeepSeek checkpoints"
+    ),
     "rope.theta": Float(10_000.0, "RoPE base", lo=0, lo_open=True),
     "rope.scaling": Choice("none", "context extension of RoPE", ("none", "linear", "llama3", "yarn")),
     "rope.factor": Float(1.0, "context extension factor (scaling != none)", lo=1),
@@ -77,6 +90,12 @@ MODEL = {
     ),
     "rope.beta_fast": Float(32.0, "yarn scaling: fast ramp edge (rotations)", lo=0, lo_open=True),
     "rope.beta_slow": Float(1.0, "yarn scaling: slow ramp edge (rotations)", lo=0, lo_open=True),
+    "rope.mscale": Float(
+        0.0, "yarn: cos/sin scale numerator coefficient (0 with mscale_all_dim 0: default)", lo=0
+    ),
+    "rope.mscale_all_dim": Float(
+        0.0, "yarn: cos/sin scale denominator; mla also scales the softmax by its mscale^2 (DeepSeek)", lo=0
+    ),
     "moe.num_experts": Int(0, "routed experts per MoE layer; 0: every layer is dense", lo=0),
     "moe.top_k": Int(2, "experts per token (<= num_experts)", lo=1),
     "moe.d_ff": Int(128, "width of one routed expert", lo=1),
@@ -86,6 +105,8 @@ MODEL = {
     "moe.router": Choice(
         "softmax", "sigmoid: DeepSeek-V3 scores with a selection bias", ("softmax", "sigmoid")
     ),
+    "moe.n_group": Int(1, "group-limited routing: expert groups (DeepSeek-V3: 8); 1: plain top-k", lo=1),
+    "moe.topk_group": Int(1, "group-limited routing: groups a token may use (<= n_group)", lo=1),
     "moe.renormalize": Bool(True, "renormalise the top-k weights to sum to one"),
     "moe.routed_scaling": Float(1.0, "multiplies the routed output (DeepSeek-V3: 2.5)", lo=0, lo_open=True),
     "moe.impl": Choice(

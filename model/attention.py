@@ -32,18 +32,22 @@ from model import layers, rope, sharding
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
-    """Masked softmax attention in f32 without repeating K/V across the query group."""
+def _attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None) -> jax.Array:
+    """Masked softmax attention in f32 without repeating K/V across the query group; `scale` defaults to
+    H^-0.5 and the value head width may differ from H."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
+    scale = h**-0.5 if scale is None else scale
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * (h**-0.5)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    if scale != 1.0:
+        scores = scores * scale
     mask = mask_BTS[:, None, None, :, :]
     scores = jnp.where(mask, scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask, probs, 0.0)  # fully masked rows: zeros, not a uniform average
     out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_BSKH.dtype), v_BSKH)
-    return out.reshape(b, t, n, h)
+    return out.reshape(b, t, n, v_BSKH.shape[-1])
 
 
 def self_attention_mask(
@@ -173,12 +177,14 @@ def register_attention_impl(name: str, fn: Callable[..., jax.Array]) -> None:
     ATTENTION_IMPLS[name] = fn
 
 
-def cached_attention(q_BTNH, k_cache_BSKH, v_cache_BSKH, start_B, *, num_new: int) -> jax.Array:
+def cached_attention(
+    q_BTNH, k_cache_BSKH, v_cache_BSKH, start_B, *, num_new: int, scale: float | None = None
+) -> jax.Array:
     """Queries at cache slots start..start+T-1 attend to slots <= their own (the cache is causal)."""
     s = k_cache_BSKH.shape[1]
     q_slot_BT = start_B[:, None] + jnp.arange(num_new)[None, :]
     mask_BTS = jnp.arange(s)[None, None, :] <= q_slot_BT[:, :, None]
-    return _attend(q_BTNH, k_cache_BSKH, v_cache_BSKH, mask_BTS)
+    return _attend(q_BTNH, k_cache_BSKH, v_cache_BSKH, mask_BTS, scale)
 
 
 def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
@@ -190,7 +196,9 @@ def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) 
     return jax.vmap(one)(cache_BSKH, new_BTKH, start_B)
 
 
-def paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache: dict) -> tuple[jax.Array, dict]:
+def paged_cache_attention(
+    q_BTNH, k_BTKH, v_BTKH, cache: dict, *, scale: float | None = None, keys: tuple = ("k", "v")
+) -> tuple[jax.Array, dict]:
     """Writes the T new tokens' K/V into a paged cache and attends over each row's cached tokens.
 
     `cache` (see `Transformer.__call__`): `k`/`v` [Lc * K, P, Lp, H] hold every layer's pages (layer i owns
@@ -199,13 +207,18 @@ def paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache: dict) -> tuple[jax.Arra
     null page 0 and never read). Token t of row b sits at position start + t. One new token per row
     (decode) uses `pallas_kernels.paged_attention`; more (prefill chunks, speculative verification) gather
     the row's pages and attend causally by position.
+
+    `keys=("latent",)` (MLA, `v_BTKH` None): one page array whose rows are both keys and values (see
+    `model.mla`); the output then has the page width.
     """
     from pallas_kernels import paged_attention
 
-    b, t, n, h = q_BTNH.shape
+    b, t = q_BTNH.shape[:2]
     kv = k_BTKH.shape[2]
-    k_all, v_all, table_BM = cache["k"], cache["v"], cache["page_table"]
-    page = k_all.shape[2]
+    k_name, v_name = (keys[0], keys[-1])
+    new = {k_name: k_BTKH} if v_BTKH is None else {k_name: k_BTKH, v_name: v_BTKH}
+    table_BM = cache["page_table"]
+    page = cache[k_name].shape[2]
     start_B, num_new_B = cache["start"], cache["num_new"]
     pos_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid_BT = jnp.arange(t)[None, :] < num_new_B[:, None]
@@ -214,12 +227,15 @@ def paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache: dict) -> tuple[jax.Arra
     slot_BT = jnp.where(valid_BT, pos_BT % page, 0)
     rows_K = cache["layer"] * kv + jnp.arange(kv, dtype=jnp.int32)
     idx = (rows_K[:, None, None], page_BT[None], slot_BT[None])
-    k_all = k_all.at[idx].set(jnp.moveaxis(k_BTKH, 2, 0).astype(k_all.dtype))
-    v_all = v_all.at[idx].set(jnp.moveaxis(v_BTKH, 2, 0).astype(v_all.dtype))
+    pages = {
+        name: cache[name].at[idx].set(jnp.moveaxis(x, 2, 0).astype(cache[name].dtype))
+        for name, x in new.items()
+    }
+    k_all, v_all = pages[k_name], pages[v_name]
     lengths_B = start_B + num_new_B
     if t == 1:
         o_BNH = paged_attention.paged_attention(
-            q_BTNH[:, 0], k_all, v_all, lengths_B, table_BM, kv_offset=rows_K[0], num_kv_heads=kv
+            q_BTNH[:, 0], k_all, v_all, lengths_B, table_BM, scale=scale, kv_offset=rows_K[0], num_kv_heads=kv
         )
         o_BTNH = o_BNH[:, None]
     else:
@@ -227,13 +243,15 @@ def paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache: dict) -> tuple[jax.Arra
 
         def rows(pages):  # this layer's pages of each row, gathered straight from the pool: [B, M * Lp, K, H]
             return jnp.moveaxis(paged_attention.gather_pages(pages, table_BM, rows_K), 0, 3).reshape(
-                b, m * page, kv, h
+                b, m * page, kv, pages.shape[-1]
             )
 
         key_pos_S = jnp.arange(m * page, dtype=jnp.int32)
         mask_BTS = key_pos_S[None, None, :] <= pos_BT[:, :, None]
-        o_BTNH = _attend(q_BTNH, rows(k_all).astype(q_BTNH.dtype), rows(v_all).astype(q_BTNH.dtype), mask_BTS)
-    return o_BTNH, dict(cache, k=k_all, v=v_all)
+        k_rows = rows(k_all).astype(q_BTNH.dtype)
+        v_rows = k_rows if v_BTKH is None else rows(v_all).astype(q_BTNH.dtype)
+        o_BTNH = _attend(q_BTNH, k_rows, v_rows, mask_BTS, scale)
+    return o_BTNH, dict(cache, **pages)
 
 
 class Attention(nnx.Module):

@@ -32,7 +32,23 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
         m.num_kv_heads,
         "set num_heads to a multiple of num_kv_heads (GQA shares each kv head among a group)",
     )
-    _check(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE; use an even size")
+    if m.attention_kind == "gqa":
+        _check(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE; use an even size")
+    if m.attention_kind == "mla":
+        _check(
+            m.mla.qk_rope_head_dim % 2 == 0,
+            f"model.mla.qk_rope_head_dim={m.mla.qk_rope_head_dim} must be even for RoPE; use an even size",
+        )
+        qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+        _check(
+            m.mla.v_head_dim <= qk,
+            f"model.mla.v_head_dim={m.mla.v_head_dim} must be at most qk_nope_head_dim + qk_rope_head_dim="
+            f"{qk} (the attention kernels take one head width; values are zero-padded to it)",
+        )
+        _check(not m.qk_norm, "model.qk_norm applies to gqa attention; mla normalises its latents instead")
+        _check(
+            not m.attention_bias, "model.attention_bias is not supported with attention_kind='mla'; set False"
+        )
     r = m.rope
     if r.scaling == "llama3":
         _check(
@@ -45,6 +61,29 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
         _check(
             e.top_k <= e.num_experts,
             f"model.moe.top_k={e.top_k} must be between 1 and model.moe.num_experts={e.num_experts}",
+        )
+        _divides(
+            "model.moe.num_experts",
+            e.num_experts,
+            "model.moe.n_group",
+            e.n_group,
+            "make the expert count a multiple of the number of expert groups",
+        )
+        per_group = e.num_experts // e.n_group
+        if e.n_group > 1:
+            _check(
+                per_group >= 2,
+                f"model.moe.n_group={e.n_group} leaves {per_group} expert per group; a group's score is the "
+                "sum of its top two experts, so use at most num_experts / 2 groups",
+            )
+        _check(
+            e.topk_group <= e.n_group,
+            f"model.moe.topk_group={e.topk_group} must be between 1 and model.moe.n_group={e.n_group}",
+        )
+        _check(
+            e.top_k <= e.topk_group * per_group,
+            f"model.moe.top_k={e.top_k} exceeds the {e.topk_group * per_group} experts of topk_group="
+            f"{e.topk_group} groups; raise topk_group",
         )
         _check(
             e.first_dense_layers <= m.num_layers,

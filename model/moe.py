@@ -9,6 +9,8 @@ Routers:
 - sigmoid (DeepSeek-V3): scores = sigmoid(logits); experts are *selected* by scores + bias, where the bias
   is an `ExpertBias` variable nudged toward balance by `update_expert_bias` (aux-loss-free); combine weights
   are the unbiased scores of the chosen experts, renormalised, times `routed_scaling`.
+- group-limited (`n_group` > 1, DeepSeek-V3): experts form `n_group` contiguous groups; a token's top-k
+  is taken among the `topk_group` groups whose two best selection scores sum highest.
 
 Dispatch:
 - ragged: assignments sorted by expert, `jax.lax.ragged_dot` over contiguous groups; drops nothing. On
@@ -47,11 +49,15 @@ def route(
     renormalize: bool,
     bias_E: jax.Array | None = None,
     forced_idx_Tk: jax.Array | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (combine weights [T, k], expert indices [T, k], routing probabilities [T, E]).
 
     `forced_idx_Tk` (routing replay) fixes which experts are used; weights still come from the
-    current logits so gradients flow to the router.
+    current logits so gradients flow to the router. With `n_group` > 1 the experts form that many
+    contiguous groups and a token picks its top-k among the `topk_group` groups whose two best selection
+    scores sum highest (DeepSeek-V3's group-limited routing).
     """
     logits_TE = logits_TE.astype(jnp.float32)
     if router == "softmax":
@@ -63,13 +69,27 @@ def route(
     else:
         raise ValueError(f"model.moe.router={router!r}; choose softmax or sigmoid")
     if forced_idx_Tk is None:
-        _, idx_Tk = jax.lax.top_k(jax.lax.stop_gradient(select_TE), top_k)
+        select_TE = jax.lax.stop_gradient(select_TE)
+        if n_group > 1:
+            select_TE = limit_to_groups(select_TE, n_group, topk_group)
+        _, idx_Tk = jax.lax.top_k(select_TE, top_k)
     else:
         idx_Tk = forced_idx_Tk.astype(jnp.int32)
     w_Tk = jnp.take_along_axis(probs_TE, idx_Tk, axis=-1)
     if renormalize:
         w_Tk = w_Tk / (jnp.sum(w_Tk, axis=-1, keepdims=True) + 1e-20)
     return w_Tk, idx_Tk, probs_TE
+
+
+def limit_to_groups(select_TE: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """Selection scores with every expert outside each token's `topk_group` best groups set to -inf;
+    a group's score is the sum of its two highest selection scores."""
+    t, e = select_TE.shape
+    select_TGX = select_TE.reshape(t, n_group, e // n_group)
+    group_TG = jnp.sum(jax.lax.top_k(select_TGX, 2)[0], axis=-1)
+    _, keep_Tg = jax.lax.top_k(group_TG, topk_group)
+    keep_TG = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep_Tg].set(True)
+    return jnp.where(keep_TG[:, :, None], select_TGX, -jnp.inf).reshape(t, e)
 
 
 def load_balance_loss(probs_TE: jax.Array, idx_Tk: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:
@@ -192,6 +212,8 @@ class MoEBlock(nnx.Module):
             renormalize=e.renormalize,
             bias_E=bias,
             forced_idx_Tk=forced,
+            n_group=e.n_group,
+            topk_group=e.topk_group,
         )
         w_Tk = w_Tk * e.routed_scaling
         gate, up, down = (p[...].astype(cdt) for p in (self.gate, self.up, self.down))

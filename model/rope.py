@@ -1,7 +1,9 @@
 """Rotary position embeddings with linear, Llama-3 and YaRN frequency scaling.
 
 Rotation uses the "rotate half" layout (first and second halves of the head dimension pair up), as in
-Hugging Face Llama/Qwen checkpoints. Dimension key: B batch, T tokens, N heads, H head dim.
+Hugging Face Llama/Qwen checkpoints, or with `interleave` adjacent pairs (x0, x1), (x2, x3), ... as in
+DeepSeek checkpoints (the output is then in half layout, as Hugging Face's; only q.k products see it).
+Dimension key: B batch, T tokens, N heads, H head dim.
 """
 
 from __future__ import annotations
@@ -57,8 +59,22 @@ def _yarn(inv_freq: np.ndarray, head_dim: int, rope) -> tuple[np.ndarray, float]
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
     extrapolation_weight = 1.0 - ramp
     inv = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
-    mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return inv, mscale
+    if rope.mscale and rope.mscale_all_dim:
+        return inv, yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+    return inv, yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 without extension)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def softmax_scale_factor(rope: ml_collections.ConfigDict) -> float:
+    """What DeepSeek's MLA multiplies its softmax scale by: yarn_mscale(factor, mscale_all_dim)^2 with a
+    YaRN-scaled RoPE and a nonzero `mscale_all_dim`, else 1."""
+    if rope.scaling != "none" and rope.mscale_all_dim:
+        return yarn_mscale(float(rope.factor), float(rope.mscale_all_dim)) ** 2
+    return 1.0
 
 
 def cos_sin(
@@ -70,10 +86,13 @@ def cos_sin(
     return jnp.cos(angles_BTh) * mscale, jnp.sin(angles_BTh) * mscale
 
 
-def apply_rope(x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array) -> jax.Array:
-    """Rotates pairs (x[i], x[i + H/2]) by the position angle; computed in f32."""
+def apply_rope(
+    x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array, *, interleave: bool = False
+) -> jax.Array:
+    """Rotates pairs (x[i], x[i + H/2]) (or (x[2i], x[2i + 1]) with `interleave`) by the position angle;
+    computed in f32, returned in half layout."""
     x = x_BTNH.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else jnp.split(x, 2, axis=-1)
     c, s = cos_BTh[:, :, None, :], sin_BTh[:, :, None, :]
     out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     return out.astype(x_BTNH.dtype)

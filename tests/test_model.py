@@ -196,6 +196,8 @@ def _rope(**kw):
             high_freq_factor=4.0,
             beta_fast=32.0,
             beta_slow=1.0,
+            mscale=0.0,
+            mscale_all_dim=0.0,
         )
     )
     r.update(kw)
@@ -234,6 +236,18 @@ def test_rope_yarn():
     np.testing.assert_allclose(inv[:10], base[:10])
     np.testing.assert_allclose(inv[23:], base[23:] / factor)
     assert np.all((inv[10:23] <= base[10:23]) & (inv[10:23] >= base[10:23] / factor))
+
+
+def test_rope_yarn_deepseek_mscale():
+    # DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1: cos/sin unscaled (1.3689 / 1.3689), and the
+    # softmax scale times (0.1 ln 40 + 1)^2 = 1.36889^2 = 1.87386.
+    r = _rope(scaling="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    assert rope.inv_frequencies(64, r)[1] == pytest.approx(1.0)
+    assert rope.softmax_scale_factor(r) == pytest.approx(1.87386, abs=1e-5)
+    # mscale 0.707 over mscale_all_dim 1 (factor 4): (0.0707 ln 4 + 1) / (0.1 ln 4 + 1) = 1.09801 / 1.13863
+    r = _rope(scaling="yarn", factor=4.0, mscale=0.707, mscale_all_dim=1.0)
+    assert rope.inv_frequencies(64, r)[1] == pytest.approx(1.09801 / 1.13863, abs=1e-5)
+    assert rope.softmax_scale_factor(_rope()) == 1.0
 
 
 def test_rope_rotation_preserves_norm_and_relative_position():

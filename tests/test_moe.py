@@ -182,3 +182,23 @@ def test_cpu_grouped_kernel_equals_ragged_dot(t, k, e):
     (_, y_b), g_b = run(False)
     np.testing.assert_allclose(y_a, y_b, atol=ATOL, rtol=RTOL)
     chex.assert_trees_all_close(g_a, g_b, atol=ATOL, rtol=RTOL)
+
+
+def test_group_limited_routing_picks_top_k_inside_the_best_groups():
+    # 8 experts in 4 groups of 2 with sigmoid scores p. Group scores (sum of the group's two best):
+    # g0 = 0.9 + 0.1 = 1.0, g1 = 0.5 + 0.45 = 0.95, g2 = 0.8 + 0.01 = 0.81, g3 = 0.3 + 0.3 = 0.6.
+    # topk_group=2 keeps g0 and g1, so top-2 is experts 0 (0.9) and 2 (0.5); ungrouped it would be 0 and 4.
+    p = jnp.array([[0.9, 0.1, 0.5, 0.45, 0.8, 0.01, 0.3, 0.3]])
+    logits = jnp.log(p / (1 - p))
+    kw = dict(router="sigmoid", top_k=2, renormalize=True)
+    _, idx, _ = moe.route(logits, n_group=4, topk_group=2, **kw)
+    assert sorted(np.asarray(idx)[0].tolist()) == [0, 2]
+    w, idx, _ = moe.route(logits, **kw)
+    assert sorted(np.asarray(idx)[0].tolist()) == [0, 4]
+    # A selection bias moves group 3 to the top: +0.5 on expert 6 gives g3 = 0.8 + 0.3 = 1.1 and expert 6
+    # the best biased score (0.8); the weights stay the unbiased scores, renormalised: 0.3 / 1.2, 0.9 / 1.2.
+    bias = jnp.zeros(8).at[6].set(0.5)
+    w, idx, _ = moe.route(logits, n_group=4, topk_group=2, bias_E=bias, **kw)
+    order = np.argsort(np.asarray(idx)[0])
+    assert np.asarray(idx)[0][order].tolist() == [0, 6]
+    np.testing.assert_allclose(np.asarray(w)[0][order], [0.75, 0.25], rtol=1e-6)
