@@ -1,19 +1,25 @@
 """python -m rl.train --config=configs/grpo.py:tiny --workdir=runs/tiny
 
-GRPO post-training of the `tiny` (tests, CPU) or `small` (Colab) MoE model: `configs/grpo.py:small`.
-The model and mesh blocks come from `configs/tiny.py` / `configs/small.py`; everything the trainer adds
-lives under `cfg.rl`:
+GRPO post-training of the `tiny` (tests, CPU) or `small` (Colab) MoE model: `configs/grpo.py:small`, and the
+variants `test` and `demo`. The model and mesh blocks come from `configs/tiny.py` / `configs/small.py`;
+everything the main job adds lives under `cfg.rl`, built from the table `RL` (each field's default, meaning
+and allowed values; `python -m configs.schema` prints it, and the README's field list is that output):
 
-  rl.loss       the GRPO objective, read by `rl.grpo.loss_from_config` (see `default_loss_config`)
-  rl.optim      AdamW + warmup/cosine schedule + clipping, read by `rl.train_step.make_optimizer`
-  rl.*          batch geometry and step options read by `rl.train_step` (documented below)
+  rl.loss       the GRPO objective (`rl.grpo.LOSS`, read by `rl.grpo.loss_from_config`)
+  rl.optim      AdamW + warmup/cosine schedule + clipping (`rl.train_step.OPTIM`)
+  rl.engine     the decoding engine (`inference.EngineConfig`) and its speculative drafter
+  rl.sft        the warm start; rl.eval the held-out evaluation
+  rl.*          batch geometry, updates, domains and curriculum, rollout, pipeline, checkpoints
 
-Other owners add their own blocks beside these (rollout, async, checkpoint).
+`rl/validate.py` checks a config against the table, then the rules that tie fields together, before the
+main job does any work.
 """
 
 import ml_collections
 
-from configs import small, tiny
+from configs import schema, small, tiny
+from configs.base import DTYPES, MODEL
+from configs.schema import Block, Bool, Choice, Float, Int, Ints, Names, Text
 
 MODELS = {"tiny": tiny, "small": small}
 
@@ -21,6 +27,164 @@ MODELS = {"tiny": tiny, "small": small}
 # test: the tiny model on the `debug` domain, small budgets (tests/test_train.py).
 # demo: `make demo`, a ~0.66M-parameter MoE that learns two toy domains on a CPU in minutes.
 VARIANTS = ("test", "demo")
+
+
+def _domains() -> tuple:
+    from envs import registry  # late: configs stay importable without the environments
+
+    return tuple(registry.names())
+
+
+def _rl_table() -> dict:
+    """Every `rl.*` field: default (the tiny config's; `SMALL` has the small one's), meaning, allowed values.
+    Rules tying fields together (divisors of the batch, domains named in two places, a draft model's vocab)
+    are in rl/validate.py."""
+    from rl import grpo, train_step  # lazy: `configs` stays importable without the trainer
+
+    weight = Float(0.0, "", lo=0)
+    return {
+        **{f"loss.{k}": f for k, f in grpo.LOSS.items()},
+        **{f"optim.{k}": f for k, f in train_step.OPTIM.items()},
+        # --- batch geometry and sampling
+        "seed": Int(
+            0, "model init, task streams, sampling keys: any size, hashed into each RNG's domain", lo=0
+        ),
+        "steps": Int(20, "GRPO steps (small: 500)", lo=0),
+        "prompts_per_step": Int(4, "groups per step; the batch is this * group_size rows (small: 16)", lo=1),
+        "group_size": Int(
+            8, "completions per prompt; advantages are relative within a group (1 has none)", lo=2
+        ),
+        "max_prompt_len": Int(160, "prompt token budget (small: 256)", lo=1),
+        "max_new_tokens": Int(32, "completion tokens sampled per prompt (small: 256)", lo=1),
+        "temperature": Float(
+            1.0, "sampling temperature; the trainer's log-probs use the same", lo=0, lo_open=True
+        ),
+        "top_p": Float(
+            1.0, "nucleus filter (1: off); the trainer's log-probs use the same", lo=0, hi=1, lo_open=True
+        ),
+        "top_k": Int(0, "top-k filter (0: off); the trainer's log-probs use the same", lo=0),
+        "advantage_std": Choice(
+            "group", "advantage scale: group, batch or none (Dr. GRPO)", schema.registered(grpo.ADVANTAGES)
+        ),
+        # --- updates
+        "micro_batches": Int(1, "gradient accumulation: micro-batches of one optimizer step (exact)", lo=1),
+        "ppo_epochs": Int(
+            1, "passes over each rollout batch (clipping engages from the second update)", lo=1
+        ),
+        "mini_batches": Int(1, "optimizer steps per pass (the batch's rows split evenly)", lo=1),
+        "routing_replay": Bool(False, "the training forward replays the experts the engine chose (MoE only)"),
+        "mismatch_band": Float(
+            2.0, "mismatch metrics count trainer/sampler ratios outside [1/c, c]", lo=1, lo_open=True
+        ),
+        "reference_dtype": Choice(
+            "", 'dtype of the frozen KL reference copy ("": the params\')', ("", "float32", "bfloat16")
+        ),
+        # --- domains and curriculum
+        "domains": Names(("math",), "task domains (envs.registry names)", _domains),
+        "levels": Block(
+            "domain -> difficulty levels to draw from (default: all)", value=Ints("levels", lo=0)
+        ),
+        "curriculum": Choice(
+            "adaptive", "adaptive (reward gain per unit of compute) or static weights", ("adaptive", "static")
+        ),
+        "static_weights": Block("domain -> weight, for curriculum=static (default: equal)", value=weight),
+        "curriculum_floor": Float(
+            0.1, "exploration floor of every domain's weight (floor * domains <= 1)", lo=0, hi=1
+        ),
+        "curriculum_window": Int(192, "adaptive: observations per domain in the gain regression", lo=3),
+        "curriculum_half_life": Float(
+            48.0, "adaptive: steps after which an observation counts half", lo=0, lo_open=True, inf_ok=True
+        ),
+        "curriculum_warmup": Int(
+            16, "adaptive: observations before a domain's estimate counts (<= window)", lo=0
+        ),
+        "curriculum_z": Float(1.0, "adaptive: standard errors by which gain differences shrink", lo=0),
+        "curriculum_saturation_z": Float(
+            3.0, "adaptive: z of 'still gaining' and of a lead that saturates a domain", lo=0
+        ),
+        "curriculum_max_step": Float(
+            0.01, "adaptive: largest change of a weight per step", lo=0, hi=1, lo_open=True
+        ),
+        "curriculum_temperature": Float(1.0, "adaptive: shares ~ score ** (1 / T)", lo=0, lo_open=True),
+        "curriculum_token_cost": Float(1.0, "compute of one generated token", lo=0),
+        "curriculum_sandbox_second_cost": Float(1000.0, "compute of one sandbox second, in tokens", lo=0),
+        "quality_gate": Bool(True, "refuse domains that fail envs.qa (once, at start)"),
+        "quality_gate_n": Int(4, "tasks per domain of the quality gate", lo=1),
+        # --- rollout and environments
+        "max_turns": Int(1, "model turns per episode in multi-turn domains (terminal)", lo=1),
+        "chat": Bool(False, "format prompts with the tokenizer's chat template"),
+        "tokenizer": Text("", 'Hugging Face tokenizer dir; "": byte-level (vocab_size)'),
+        "env_workers": Int(2, "environment worker processes", lo=1),
+        "env_timeout_s": Float(30.0, "seconds an environment step may take", lo=0, lo_open=True),
+        "max_attempts": Int(4, "rollout rounds per batch to back-fill groups dropped by the filters", lo=1),
+        "reward_tol": Float(1e-6, "rewards within this are equal for the zero-variance filter", lo=0),
+        "env": Block(
+            "domain -> constructor kwargs (checked against its signature), e.g. rl.env.code.reward=fraction",
+            {"code": {"reward": "all_or_nothing"}, "terminal": {"disturbance": False}},
+        ),
+        # --- async pipeline, checkpoints, logs
+        "async_rollout": Bool(False, "overlap sampling with training (bounded staleness)"),
+        "max_staleness": Int(1, "policy versions a batch may lag the trainer (async); 0: on-policy", lo=0),
+        "max_queue": Int(2, "batches the producer may run ahead (async)", lo=1),
+        "checkpoint_every": Int(10, "steps between checkpoints (and on SIGTERM / Ctrl-C)", lo=1),
+        "max_to_keep": Int(2, "checkpoints kept", lo=1),
+        "log_every": Int(1, "steps between metric lines", lo=1),
+        "log_samples": Int(2, "episodes per logged step written to samples.jsonl (0: none)", lo=0),
+        "tensorboard": Bool(True, "TensorBoard events too, when tensorboardX is installed"),
+        # --- decoding engine (inference.EngineConfig) and speculative drafts
+        "engine.max_batch": Int(32, "decode slots (small: 64)", lo=1),
+        "engine.page_size": Int(16, "tokens per KV page", lo=1),
+        "engine.num_pages": Int(
+            0, "KV pool pages (0: room for max_batch sequences + the prefix cache)", lo=0
+        ),
+        "engine.prefix_cache_pages": Int(
+            -1, "pages the prefix cache keeps (0: off; -1: half the slots')", lo=-1
+        ),
+        "engine.host_cache_pages": Int(0, "host-tier pages for cold prefix blocks (0: off)", lo=0),
+        "engine.prefill_chunk": Int(64, "longest prefill call, a power of two (small: 256)", lo=1),
+        "engine.prefill_batch": Int(4, "rows per prefill call, a power of two", lo=1),
+        "engine.min_bucket": Int(16, "shortest prefill / score length bucket, a power of two", lo=1),
+        "engine.score_batch": Int(8, "rows per scoring call, a power of two", lo=1),
+        "engine.scheduler": Choice(
+            "continuous", "continuous batching or static batches", ("continuous", "static")
+        ),
+        "engine.cache_dtype": Choice("", 'KV cache dtype ("": model.compute_dtype)', ("", *DTYPES)),
+        "engine.draft": Choice(
+            "none",
+            "speculative drafter: none, ngram, group (the prompt's other samples), model",
+            ("none", "ngram", "group", "model"),
+        ),
+        "engine.num_draft": Int(4, "tokens proposed per speculative step", lo=1),
+        "engine.draft_ngram": Int(3, "longest suffix matched by the ngram and group drafters", lo=1),
+        "draft_model": Block(
+            "engine.draft=model: overrides of model.* for the draft", {"num_layers": 1}, of=MODEL
+        ),
+        "draft_train_steps": Int(1, "distillation steps of the draft model after each policy update", lo=0),
+        # --- SFT warm start and evaluation
+        "sft.steps": Int(20, "warm-start steps on reference solutions (small: 200)", lo=0),
+        "sft.rows": Int(16, "rows per SFT step", lo=1),
+        "sft.noise": Float(0.0, "fraction of demonstrations with one character wrong", lo=0, hi=1),
+        "sft.weights": Block("domain -> share of SFT rows (default: the curriculum's)", value=weight),
+        "sft.optim": Block("overrides of rl.optim for the SFT phase", of=train_step.OPTIM),
+        "eval.n_tasks": Int(8, "held-out tasks per domain, before and after training (small: 64)", lo=1),
+        "eval.k": Int(4, "samples per task (pass@1 over all, pass@k)", lo=1),
+    }
+
+
+RL = _rl_table()
+
+# The small config's defaults where they differ from the tiny one's.
+SMALL = {
+    "optim.lr": 1e-5,
+    "steps": 500,
+    "prompts_per_step": 16,
+    "max_prompt_len": 256,
+    "max_new_tokens": 256,
+    "engine.max_batch": 64,
+    "engine.prefill_chunk": 256,
+    "sft.steps": 200,
+    "eval.n_tasks": 64,
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -31,129 +195,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         raise ValueError(
             f"configs/grpo.py: unknown argument {name!r}; use one of {sorted(MODELS) + list(VARIANTS)}"
         )
-    from rl import grpo  # lazy: `configs` stays importable without pulling in the trainer
-
     cfg = MODELS[name].get_config()
-    rl = cfg.rl = ml_collections.ConfigDict()
-
-    # Clip ranges, ratio kind, aggregation, KL and truncated-IS cap; field docs in rl/grpo.py.
-    rl.loss = grpo.default_loss_config()
-
-    o = rl.optim = ml_collections.ConfigDict()
-    # Peak learning rate. RL fine-tuning of a pretrained model wants ~1e-6..1e-5; the tiny model starts
-    # from random weights in tests and demos, where 3e-4 makes visible progress in a few steps.
-    o.lr = 3e-4 if name == "tiny" else 1e-5
-    o.b1 = 0.9  # Adam first-moment decay
-    o.b2 = 0.999  # Adam second-moment decay
-    o.eps = 1e-8  # Adam denominator epsilon
-    o.weight_decay = 0.01  # decoupled (AdamW), on every parameter, scaled by the scheduled lr
-    o.warmup_steps = 10  # linear warmup: step s < warmup_steps uses lr * (s + 1) / warmup_steps
-    o.total_steps = 1000  # cosine decay from lr (at warmup_steps) to min_lr_ratio * lr (at total_steps)
-    o.min_lr_ratio = 0.1  # final lr as a fraction of the peak; held after total_steps
-    o.max_grad_norm = 1.0  # global-norm gradient clipping, applied before AdamW
-
-    # Gradient accumulation: the batch of one step is split into this many micro-batches (the batch size
-    # must divide by it); grads add up exactly to the full-batch gradient (see rl/train_step.py).
-    rl.micro_batches = 1
-    # Sampling temperature: training log-probs are of logits / temperature, as the sampler saw them.
-    rl.temperature = 1.0
-    # Routing replay (R3): the engine records the experts each MoE layer chose for every sampled token and
-    # the training forward replays them, so the ratio compares the same sparse sub-network on both sides.
-    rl.routing_replay = False
-    # PPO-style updates: passes over each rollout batch, and optimizer steps per pass (the batch's rows
-    # split evenly). The proximal log-probs are computed once before the first update; with 1 and 1 the
-    # current policy is the proximal one (ratio 1) and clipping never engages.
-    rl.ppo_epochs = 1
-    rl.mini_batches = 1
-    # The train-inference mismatch metrics count tokens whose trainer/sampler ratio is outside [1/c, c].
-    rl.mismatch_band = 2.0
-    # KL to a frozen reference (rl.loss.kl_kind, kl_coef): the policy at step 0 (after SFT), kept as a
-    # second copy of the parameters on the same devices: "" keeps their dtype, "bfloat16" halves the cost.
-    rl.reference_dtype = ""
-    rl.group_size = 8  # completions sampled per prompt (n); advantages are relative within a group
-    rl.prompts_per_step = 4 if name == "tiny" else 16  # groups per step (batch = this * group_size)
-    rl.advantage_std = "group"  # rl.grpo.group_advantages(std=...): group | batch | none (Dr. GRPO)
-    # Prompt and completion budgets (byte-level tokens for the tiny model: math prompts are ~130 bytes).
-    rl.max_prompt_len = 160 if name == "tiny" else 256
-    rl.max_new_tokens = 32 if name == "tiny" else 256  # completion tokens sampled per prompt
-    _add_loop_config(cfg, name)
+    rl = cfg.rl = schema.build(RL)
+    if name == "small":
+        for dotted, value in SMALL.items():
+            *parents, leaf = dotted.split(".")
+            node = rl
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     return cfg
-
-
-def _add_loop_config(cfg: ml_collections.ConfigDict, name: str) -> None:
-    """The main job's fields (rl/train.py): domains, rollout, async pipeline, checkpoints, SFT, evaluation."""
-    rl = cfg.rl
-    rl.seed = 0  # model init, task streams, sampling keys
-    rl.steps = 20 if name == "tiny" else 500  # GRPO steps
-    rl.domains = ("math",)  # task domains (envs.registry names)
-    rl.levels = ml_collections.ConfigDict()  # domain -> difficulty levels to draw from (default: all)
-    rl.curriculum = "adaptive"  # adaptive (reward gain per unit of compute) | static
-    rl.static_weights = ml_collections.ConfigDict()  # domain -> weight, for curriculum="static"
-    rl.curriculum_floor = 0.1  # exploration floor of every domain's sampling weight
-    # Adaptive mode (rl/curriculum.py's docstring has the rule): each domain's reward gain per step and its
-    # standard error from a discounted regression over its last `window` observations; weights move towards
-    # the target the evidence supports, at most `max_step` per step.
-    rl.curriculum_window = 192  # observations per domain in the regression (>= 3)
-    rl.curriculum_half_life = 48.0  # steps after which an observation counts half (> 0; inf: no discount)
-    rl.curriculum_warmup = 16  # observations before a domain's estimate counts (0..window)
-    rl.curriculum_z = 1.0  # standard errors by which score differences shrink before setting shares (>= 0)
-    rl.curriculum_saturation_z = 3.0  # z of "gaining" (score > z se) and of a lead that saturates a domain
-    rl.curriculum_max_step = 0.01  # largest change of a weight per step (0, 1]
-    rl.curriculum_temperature = 1.0  # shares ∝ score ** (1 / T): < 1 sharpens, > 1 flattens (> 0)
-    rl.curriculum_token_cost = 1.0  # compute of one generated token (>= 0)
-    rl.curriculum_sandbox_second_cost = 1000.0  # compute of one sandbox second, in tokens (>= 0)
-    rl.quality_gate = True  # refuse domains that fail envs.qa (run once at start, n=quality_gate_n)
-    rl.quality_gate_n = 4
-    rl.top_p, rl.top_k = 1.0, 0  # sampling filters (temperature is rl.temperature)
-    rl.max_turns = 1  # model turns per episode in multi-turn domains (terminal)
-    rl.chat = False  # format prompts with the tokenizer's chat template
-    rl.tokenizer = ""  # HF tokenizer dir; "" = byte-level (ByteTokenizer(vocab_size))
-    rl.env_workers = 2  # environment worker processes
-    rl.env_timeout_s = 30.0
-    rl.max_attempts = 4  # rollout rounds per batch to back-fill groups dropped by the filters
-    rl.reward_tol = 1e-6  # float rewards within this are "equal" for the zero-variance filter
-    rl.async_rollout = False  # overlap sampling with training (bounded staleness)
-    rl.max_staleness = 1  # versions a batch may lag the trainer (async); 0 = on-policy
-    rl.max_queue = 2  # batches the producer may run ahead
-    rl.log_samples = 2  # episodes per logged step written to <workdir>/samples.jsonl (0: none)
-    rl.checkpoint_every = 10
-    rl.max_to_keep = 2
-    rl.log_every = 1
-    rl.tensorboard = True  # when tensorboardX is installed
-    e = rl.engine = ml_collections.ConfigDict()  # inference.EngineConfig fields
-    e.max_batch = 32 if name == "tiny" else 64
-    e.page_size = 16
-    e.prefill_chunk = 64 if name == "tiny" else 256
-    e.prefill_batch = 4
-    e.min_bucket = 16
-    # Speculative decoding in the rollout (exact: the samples' distribution is unchanged):
-    # none | ngram (prompt lookup) | group (the other samples of the same prompt) | model (rl.draft_model).
-    e.draft = "none"
-    e.num_draft = 4  # tokens proposed per speculative step
-    e.draft_ngram = 3  # longest suffix matched by the ngram and group drafters
-    # The model drafter: overrides of cfg.model for the smaller draft model. It is warm-started by the same
-    # SFT as the policy and kept in step with it: rl.draft_train_steps cross-entropy steps on the tokens
-    # just sampled after each policy update, so acceptance does not decay as the policy moves.
-    rl.draft_model = ml_collections.ConfigDict({"num_layers": 1})
-    rl.draft_train_steps = 1
-    # Environment options: rl.env.<domain>.<kwarg> goes to that domain's constructor in every worker and
-    # in the trainer's task streams, e.g. --config.rl.env.code.reward=fraction (checked at start).
-    # Blocks listed here can be set from the command line (absl adds no new keys); a config file may add any
-    # domain's block (e.g. rl.env.math = {"train_jsonl": ..., "test_jsonl": ...} for GSM8K data).
-    rl.env = ml_collections.ConfigDict()
-    rl.env.code = ml_collections.ConfigDict({"reward": "all_or_nothing"})  # or "fraction" of tests passed
-    rl.env.terminal = ml_collections.ConfigDict({"disturbance": False})  # True: the world changes mid-task
-    sft = rl.sft = ml_collections.ConfigDict()  # warm start on reference solutions (no checkpoint yet)
-    sft.steps = 20 if name == "tiny" else 200
-    sft.rows = 16
-    sft.noise = 0.0  # fraction of demonstrations with one character wrong (a noisy teacher)
-    sft.weights = ml_collections.ConfigDict()  # domain -> share of SFT rows (default: the curriculum's)
-    sft.optim = ml_collections.ConfigDict()  # overrides of rl.optim for the SFT phase (e.g. lr)
-    ev = rl.eval = ml_collections.ConfigDict()  # held-out evaluation before and after training
-    ev.n_tasks = 8 if name == "tiny" else 64  # per domain
-    ev.k = 4  # samples per task (pass@1 over all samples, pass@k)
 
 
 def _variant(name: str) -> ml_collections.ConfigDict:

@@ -33,6 +33,7 @@ class Field:
     hi: float | None = None  # int / float: largest allowed value
     lo_open: bool = False  # float: lo itself not allowed
     hi_open: bool = False
+    inf_ok: bool = False  # float: +inf allowed (e.g. "no limit")
     choices: tuple | Callable[[], tuple] = ()  # choice / names; a callable is asked when checking
     value: Field | None = None  # block: the field of every entry (keys are free, e.g. domain names)
     of: Mapping[str, Field] | None = None  # block: partial overrides of another table's fields
@@ -41,17 +42,11 @@ class Field:
         return tuple(self.choices() if callable(self.choices) else self.choices)
 
     def describe(self) -> str:
-        """The allowed values in words: 'int >= 1', 'float in (0, 1]', 'one of (...)'."""
+        """The allowed values in words: 'int >= 1', 'float in (0, 1]', "one of 'a', 'b'"."""
         if self.kind in ("int", "float", "ints"):
             name = {"int": "int", "float": "float", "ints": "tuple of ints"}[self.kind]
-            if self.lo is not None and self.hi is not None:
-                left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
-                return f"{name} in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
-            if self.lo is not None:
-                return f"{name} {'>' if self.lo_open else '>='} {_num(self.lo)}"
-            if self.hi is not None:
-                return f"{name} {'<' if self.hi_open else '<='} {_num(self.hi)}"
-            return name
+            words = f"{name} {self._range()}".strip()
+            return words + " or inf" if self.inf_ok else words
         if self.kind == "choice":
             return "one of " + ", ".join(repr(c) for c in self.allowed())
         if self.kind == "names":
@@ -62,42 +57,52 @@ class Field:
             return f"mapping to {self.value.describe()}" if self.value else "mapping"
         return self.kind
 
+    def _range(self) -> str:
+        """'>= 0', 'in (0, 1]', '' (unbounded)."""
+        if self.lo is not None and self.hi is not None:
+            left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+            return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
+        return ""
+
     def check(self, path: str, v: Any) -> None:
         """Raises ConfigError('path=value must be ...') unless `v` is allowed."""
-        bad = lambda why="": ConfigError(f"{path}={v!r} must be {self.describe()}{why}")
         if self.kind == "bool":
             if not isinstance(v, bool):
-                raise bad()
-        elif self.kind == "int":
-            if not (_is_int(v) and self._in_range(v)):
-                raise bad()
-        elif self.kind == "float":
-            ok = _is_num(v) and math.isfinite(v) and self._in_range(v)
-            if not ok:
-                raise bad()
+                raise ConfigError(f"{path}={v!r} must be True or False")
+        elif self.kind in ("int", "float"):
+            finite = _is_num(v) and (math.isfinite(v) or (self.inf_ok and v == math.inf))
+            if not (_is_int(v) if self.kind == "int" else finite):
+                raise ConfigError(
+                    f"{path}={v!r} must be {'an int' if self.kind == 'int' else 'a finite number'}"
+                )
+            if not self._in_range(v):
+                raise ConfigError(f"{path}={v!r} must be {self._range()}")
         elif self.kind == "str":
             if not isinstance(v, str):
-                raise bad()
+                raise ConfigError(f"{path}={v!r} must be a string")
         elif self.kind == "choice":
             allowed = self.allowed()
             if v not in allowed or not isinstance(v, type(allowed[0])):
-                raise ConfigError(f"{path}={v!r} is unknown; choose one of {allowed}")
+                raise ConfigError(f"{path}={v!r} is unknown; choose one of {list(allowed)}")
         elif self.kind == "names":
             allowed = self.allowed()
             if not isinstance(v, (tuple, list)) or not v or len(set(v)) != len(v):
-                raise ConfigError(f"{path}={v!r} must be a non-empty tuple of distinct names from {allowed}")
+                raise ConfigError(
+                    f"{path}={v!r} must be a non-empty tuple of distinct names from {list(allowed)}"
+                )
             for name in v:
                 if name not in allowed:
                     raise ConfigError(
-                        f"{path}={tuple(v)!r} names {name!r}, which is unknown; known: {allowed}"
+                        f"{path}={tuple(v)!r} names {name!r}, which is unknown; known: {list(allowed)}"
                     )
         elif self.kind == "ints":
-            if (
-                not isinstance(v, (tuple, list))
-                or not v
-                or not all(_is_int(x) and self._in_range(x) for x in v)
-            ):
-                raise ConfigError(f"{path}={v!r} must be a non-empty tuple of ints >= {_num(self.lo)}")
+            ok = isinstance(v, (tuple, list)) and v and all(_is_int(x) and self._in_range(x) for x in v)
+            if not ok:
+                raise ConfigError(f"{path}={v!r} must be a non-empty tuple of ints {self._range()}")
         elif self.kind == "block":
             if not isinstance(v, (Mapping, ml_collections.ConfigDict)):
                 raise ConfigError(f"{path}={v!r} must be a block of fields (a ConfigDict)")
@@ -131,8 +136,8 @@ def Int(default: int, doc: str, lo: int | None = None, hi: int | None = None) ->
     return Field(default, doc, "int", lo=lo, hi=hi)
 
 
-def Float(default: float, doc: str, lo=None, hi=None, *, lo_open=False, hi_open=False) -> Field:
-    return Field(float(default), doc, "float", lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
+def Float(default: float, doc: str, lo=None, hi=None, *, lo_open=False, hi_open=False, inf_ok=False) -> Field:
+    return Field(float(default), doc, "float", lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, inf_ok=inf_ok)
 
 
 def Bool(default: bool, doc: str) -> Field:
@@ -159,6 +164,11 @@ def Ints(doc: str, lo: int = 0) -> Field:
 def Block(doc: str, default: Mapping | None = None, *, value: Field | None = None, of=None) -> Field:
     """A block of free keys: every entry checked by `value`, or partial overrides of table `of`."""
     return Field(dict(default or {}), doc, "block", value=value, of=of)
+
+
+def registered(registry: Mapping, *extra: str) -> Callable[[], tuple]:
+    """Choices of a registry, asked when a config is checked (registering a new name is enough)."""
+    return lambda: tuple(sorted([*registry, *extra]))
 
 
 def build(table: Mapping[str, Field]) -> ml_collections.ConfigDict:

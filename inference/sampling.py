@@ -22,6 +22,7 @@ Parameters are ``[B]`` arrays (`SamplingArrays`), so changing their values never
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -58,6 +59,16 @@ class SamplingParams:
             raise ValueError(f"n={self.n} must be >= 1 (the number of completions per prompt).")
         if not isinstance(self.stop_tokens, tuple):
             raise TypeError(f"stop_tokens={self.stop_tokens!r} must be a tuple of token ids, e.g. (2,).")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed={self.seed!r} must be an int (any size).")
+
+    @property
+    def key_seed(self) -> int:
+        """The int32 seed the sampling keys are built from: `seed` itself in [0, 2**31), else a hash of it
+        into that range (never arithmetic that overflows)."""
+        if 0 <= self.seed < 2**31:
+            return self.seed
+        return zlib.crc32(f"seed:{self.seed}".encode()) & 0x7FFFFFFF
 
 
 class SamplingArrays(NamedTuple):

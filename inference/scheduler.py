@@ -208,7 +208,7 @@ class Scheduler:
             start[b] = len(seq.prompt) + len(seq.tokens) - 1
             table[b] = self.table.page_table([seq.id])[0]
             seed[b], req[b], sample[b], stepi[b] = (
-                seq.params.seed,
+                seq.params.key_seed,
                 seq.prompt_index,
                 seq.sample,
                 len(seq.tokens),

@@ -19,7 +19,7 @@ import ml_collections
 from flax import nnx
 
 from model import config as config_lib
-from model import layers, sharding
+from model import layers, seeds, sharding
 from model.attention import Attention
 from model.moe import MoEBlock
 
@@ -305,7 +305,7 @@ def build(
 ) -> Transformer:
     """Builds the model; with a mesh, every parameter is created directly with its sharding."""
     config_lib.validate(cfg, None if mesh is None else mesh.size)
-    make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seeds.key(seed)))
     if mesh is None:
         return make()
     graphdef, abstract = nnx.split(nnx.eval_shape(make))

@@ -50,7 +50,8 @@ Split = Literal["train", "eval"]
 SPLITS: tuple[Split, ...] = ("train", "eval")
 SplitOn = Literal["prompt", "task"]
 # Domains whose prompts are a few templates over per-task hidden data split on the whole task (see above).
-DEFAULT_SPLIT_ON: dict[str, SplitOn] = {"terminal": "task"}
+# `debug` has one prompt: only its instances can be held out.
+DEFAULT_SPLIT_ON: dict[str, SplitOn] = {"terminal": "task", "debug": "task"}
 MAX_ATTEMPTS = 256  # redraws of one record before giving up: the split's share of the pool is ~empty
 # The data split each stream draws from, for environments whose data comes split (`env.data_splits`).
 DATA_SPLIT: dict[Split, str] = {"train": "train", "eval": "test"}
@@ -68,7 +69,7 @@ def split_of(task: Task, *, holdout: float, split_on: SplitOn = "prompt") -> Spl
     if split_on == "prompt":
         key = task.prompt
     elif split_on == "task":
-        key = [task.prompt, task.metadata]
+        key = [task.id, task.prompt, task.metadata]
     else:
         raise ValueError(f"split_on={split_on!r}; use 'prompt' or 'task'")
     return "eval" if _hash64("split", key) / 2.0**64 < holdout else "train"

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from configs import schema
+from configs.schema import Choice, Float, Int
 from inference import sampling
 
 Array = jax.Array
@@ -422,48 +424,42 @@ def mismatch_metrics(
 # --- Config ------------------------------------------------------------------------------------------------
 
 
+# The `rl.loss` block: every field's default, meaning and allowed values (configs/schema.py).
+LOSS = {
+    "clip_low": Float(0.2, "the ratio is clipped below at 1 - clip_low (PPO)", lo=0),
+    "clip_high": Float(0.28, "... and above at 1 + clip_high (DAPO clip-higher: > clip_low)", lo=0),
+    "ratio": Choice(
+        "token", "token ratios, or GSPO's length-normalised sequence ratio", schema.registered(RATIOS)
+    ),
+    "aggregation": Choice(
+        "token-mean", "how token losses become the batch loss", schema.registered(AGGREGATIONS)
+    ),
+    "max_tokens": Int(0, "the constant divisor of seq-mean-token-sum-norm (> 0 there, else unused)", lo=0),
+    "kl_kind": Choice("none", "KL estimator to the frozen step-0 reference", schema.registered(KL, "none")),
+    "kl_coef": Float(0.0, "weight of the KL term", lo=0),
+    "correction": Choice(
+        "tis",
+        "weights from the sampler's log-probs (train-inference mismatch)",
+        schema.registered(CORRECTIONS),
+    ),
+    "correction_low": Float(
+        0.5, "lower edge of the icepop / seq-mask / seq-reject band", lo=0, hi=1, lo_open=True
+    ),
+    "correction_high": Float(2.0, "upper edge of that band", lo=1),
+    "tis_cap": Float(2.0, "cap of tis and seq-mask weights; tis with 0 is off", lo=0),
+}
+
+
 def default_loss_config() -> ml_collections.ConfigDict:
     """The `rl.loss` config block read by `loss_from_config`."""
-    return ml_collections.ConfigDict(
-        {
-            "clip_low": 0.2,
-            "clip_high": 0.28,
-            "ratio": "token",
-            "aggregation": "token-mean",
-            "max_tokens": 0,  # Only read by aggregation="seq-mean-token-sum-norm", which needs it > 0.
-            "kl_kind": "none",
-            "kl_coef": 0.0,
-            # Weights for the sampler's log-probs (see `correction_weights`); "tis" with tis_cap 0 is off.
-            "correction": "tis",
-            "correction_low": 0.5,  # The band [low, high] of "icepop", "seq-mask", "seq-reject".
-            "correction_high": 2.0,
-            "tis_cap": 2.0,  # The cap of "tis" and "seq-mask"; 0 turns truncation off.
-        }
-    )
+    return schema.build(LOSS)
 
 
 def validate_loss_config(cfg: ml_collections.ConfigDict) -> None:
-    """Raise a ValueError naming the `rl.loss` field that is missing or out of range."""
-    for field in default_loss_config():
-        if field not in cfg:
-            raise ValueError(f"rl.loss.{field} is missing; see rl.grpo.default_loss_config()")
-    options = {
-        "ratio": RATIOS,
-        "aggregation": AGGREGATIONS,
-        "kl_kind": {"none": None, **KL},
-        "correction": CORRECTIONS,
-    }
-    for field, registry in options.items():
-        lookup(registry, cfg[field], f"rl.loss.{field}")
-    for field in ("clip_low", "clip_high", "kl_coef", "tis_cap", "max_tokens"):
-        if cfg[field] < 0:
-            raise ValueError(f"rl.loss.{field}={cfg[field]!r} must be >= 0")
-    if not 0 < cfg.correction_low <= 1:
-        raise ValueError(f"rl.loss.correction_low={cfg.correction_low!r} must be in (0, 1]")
-    if not cfg.correction_high >= 1:
-        raise ValueError(f"rl.loss.correction_high={cfg.correction_high!r} must be >= 1")
+    """Raises a ConfigError (a ValueError) naming the `rl.loss` field missing, unknown or out of range."""
+    schema.check(cfg, LOSS, "rl.loss")
     if cfg.aggregation == "seq-mean-token-sum-norm" and cfg.max_tokens <= 0:
-        raise ValueError(
+        raise schema.ConfigError(
             f"rl.loss.max_tokens={cfg.max_tokens!r} must be > 0 for aggregation='seq-mean-token-sum-norm'"
         )
 

@@ -46,7 +46,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model import sharding
+from configs import schema
+from configs.schema import Float, Int
+from model import seeds, sharding
 from model.transformer import Transformer, build, next_token_loss
 from rl import grpo
 
@@ -90,21 +92,28 @@ def _as_model_def(graphdef: ModelDef | nnx.GraphDef) -> ModelDef:
 # --- Optimizer ----------------------------------------------------------------------------------------------
 
 
-def _check_optim(o: ml_collections.ConfigDict) -> None:
-    checks = {
-        "lr": (o.lr > 0, "must be > 0"),
-        "b1": (0 <= o.b1 < 1, "must be in [0, 1)"),
-        "b2": (0 <= o.b2 < 1, "must be in [0, 1)"),
-        "eps": (o.eps > 0, "must be > 0"),
-        "weight_decay": (o.weight_decay >= 0, "must be >= 0"),
-        "warmup_steps": (o.warmup_steps >= 0, "must be >= 0"),
-        "total_steps": (o.total_steps > o.warmup_steps, f"must be > rl.optim.warmup_steps={o.warmup_steps}"),
-        "min_lr_ratio": (0 <= o.min_lr_ratio <= 1, "must be in [0, 1]"),
-        "max_grad_norm": (o.max_grad_norm > 0, "must be > 0"),
-    }
-    for field, (ok, why) in checks.items():
-        if not ok:
-            raise ValueError(f"rl.optim.{field}={o[field]!r} {why}")
+# The `rl.optim` block (and the overrides of `rl.sft.optim`): AdamW, warmup + cosine schedule, clipping.
+OPTIM = {
+    "lr": Float(
+        3e-4, "peak learning rate (RL on a pretrained model: ~1e-6..1e-5; small: 1e-5)", lo=0, lo_open=True
+    ),
+    "b1": Float(0.9, "Adam first-moment decay", lo=0, hi=1, hi_open=True),
+    "b2": Float(0.999, "Adam second-moment decay", lo=0, hi=1, hi_open=True),
+    "eps": Float(1e-8, "Adam denominator epsilon", lo=0, lo_open=True),
+    "weight_decay": Float(0.01, "decoupled weight decay (AdamW), scaled by the scheduled lr", lo=0),
+    "warmup_steps": Int(10, "linear warmup: step s < warmup_steps uses lr * (s + 1) / warmup_steps", lo=0),
+    "total_steps": Int(1000, "cosine decay ends here (> warmup_steps); min_lr_ratio * lr after", lo=1),
+    "min_lr_ratio": Float(0.1, "final lr as a fraction of the peak", lo=0, hi=1),
+    "max_grad_norm": Float(1.0, "global-norm gradient clipping before AdamW", lo=0, lo_open=True),
+}
+
+
+def _check_optim(o: ml_collections.ConfigDict, prefix: str = "rl.optim") -> None:
+    schema.check(o, OPTIM, prefix)
+    if not o.total_steps > o.warmup_steps:
+        raise schema.ConfigError(
+            f"{prefix}.total_steps={o.total_steps!r} must be > {prefix}.warmup_steps={o.warmup_steps}"
+        )
 
 
 def make_schedule(optim_cfg: ml_collections.ConfigDict) -> optax.Schedule:
@@ -160,7 +169,7 @@ def init_state(
     params: nnx.State | None = None,
 ) -> tuple[ModelDef, TrainState]:
     """Builds the model (or takes `params`) and the optimizer state, sharded like the params on `mesh`."""
-    make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seeds.key(seed)))
     if params is None:
         graphdef, params, rest = nnx.split(build(cfg, seed=seed, mesh=mesh), nnx.Param, ...)
     else:
@@ -168,7 +177,7 @@ def init_state(
         if jax.tree.leaves(rest):  # e.g. a sigmoid router's selection bias: its initial value
             rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
     optimizer = make_optimizer(cfg.rl.optim)
-    step, rng = jnp.zeros((), jnp.int32), jax.random.key(seed)
+    step, rng = jnp.zeros((), jnp.int32), seeds.key(seed)
     if mesh is None:
         return ModelDef(graphdef, rest), TrainState(params, optimizer.init(params), step, rng)
     rules = cfg.mesh.rules
@@ -435,7 +444,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
             raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
         per = rows // minis
         # Per-pass row order: a function of the seed and the optimizer step (exact resume).
-        rng = np.random.default_rng([int(rl.seed) % 2**63, int(state.step)])
+        rng = np.random.default_rng([int(rl.seed), int(state.step)])
         history = []
         for _ in range(epochs):
             order = rng.permutation(rows) if minis > 1 else np.arange(rows)

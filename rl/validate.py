@@ -1,8 +1,9 @@
 """The main job's config, checked in one place before any work (no pool, no model, no SFT: well under 1 s).
 
-`validate(cfg)` raises a `ConfigError` naming the first bad field and the fix. It covers every `rl.*` block
-the main job reads (batch geometry, loss, optimizer, updates, pipeline, engine and draft, evaluation, SFT,
-curriculum, environment options) and the model config; `rl.train` and `rl.sft` call it first.
+`validate(cfg)` raises a `ConfigError` naming the first bad field and the fix: every field against its table
+(`configs.base.MODEL`, `configs.grpo.RL`: type, range, choices; unknown names refused), then the rules that
+tie fields together (divisors of the batch, domains named in two places, environment kwargs against the
+constructor, the engine's sizes, the draft model). `rl.train` (and `rl.sft` through it) calls it first.
 """
 
 from __future__ import annotations
@@ -11,26 +12,12 @@ import ml_collections
 
 from model.config import ConfigError
 
-DRAFTS = ("none", "ngram", "group", "model")
-REFERENCE_DTYPES = ("", "float32", "bfloat16")
-CURRICULA = ("adaptive", "static")
 ENGINE_EXTRAS = ("draft", "draft_ngram")  # rl.engine fields the main job reads; the rest are EngineConfig's
 
 
 def _check(ok: bool, field: str, value, why: str) -> None:
     if not ok:
         raise ConfigError(f"rl.{field}={value!r} {why}")
-
-
-def _positive_ints(rl, fields: tuple[str, ...], *, minimum: int = 1) -> None:
-    for f in fields:
-        v = _get(rl, f)
-        _check(
-            isinstance(v, int) and not isinstance(v, bool) and v >= minimum,
-            f,
-            v,
-            f"must be an int >= {minimum}",
-        )
 
 
 def _get(node, dotted: str):
@@ -68,21 +55,15 @@ def draft_model_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigD
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first field that cannot work (see the module docstring)."""
+    from configs import grpo as grpo_config
+    from configs import schema
     from envs import registry
     from model import config as model_config
     from rl import curriculum, grpo, train_step
 
     rl = cfg.rl
     model_config.validate_model(cfg.model)
-    _positive_ints(rl, ("prompts_per_step", "max_prompt_len", "max_new_tokens", "ppo_epochs", "mini_batches"))
-    _positive_ints(rl, ("micro_batches", "env_workers", "max_attempts", "max_turns", "max_queue"))
-    _positive_ints(rl, ("checkpoint_every", "max_to_keep", "log_every", "eval.n_tasks", "eval.k", "sft.rows"))
-    _positive_ints(
-        rl, ("steps", "max_staleness", "sft.steps", "draft_train_steps", "quality_gate_n"), minimum=0
-    )
-    _positive_ints(rl, ("log_samples",), minimum=0)
-    _positive_ints(rl, ("group_size",), minimum=2)
-    _check(isinstance(rl.seed, int) and rl.seed >= 0, "seed", rl.seed, "must be an int >= 0 (any size)")
+    schema.check(rl, grpo_config.RL, "rl")
     rows = rl.prompts_per_step * rl.group_size
     _check(
         rows % rl.mini_batches == 0,
@@ -97,32 +78,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         rl.micro_batches,
         f"must divide a mini-batch of {per} rows (rl.mini_batches={rl.mini_batches})",
     )
-    _check(rl.temperature > 0, "temperature", rl.temperature, "must be > 0: greedy samples have no log-prob")
-    _check(isinstance(rl.top_k, int) and rl.top_k >= 0, "top_k", rl.top_k, "must be an int >= 0 (0 = off)")
-    _check(0 < rl.top_p <= 1, "top_p", rl.top_p, "must be in (0, 1] (1 = off)")
-    _check(rl.mismatch_band > 1, "mismatch_band", rl.mismatch_band, "must be > 1 (the band is [1/c, c])")
-    _check(rl.env_timeout_s > 0, "env_timeout_s", rl.env_timeout_s, "must be > 0 seconds")
-    _check(rl.reward_tol >= 0, "reward_tol", rl.reward_tol, "must be >= 0")
-    _check(
-        rl.advantage_std in grpo.ADVANTAGES,
-        "advantage_std",
-        rl.advantage_std,
-        f"is unknown; choose one of {sorted(grpo.ADVANTAGES)}",
-    )
-    try:
-        grpo.validate_loss_config(rl.loss)
-        train_step._check_optim(rl.optim)
-        sft_optim = ml_collections.ConfigDict(rl.optim.to_dict())
-        sft_optim.update(rl.sft.optim.to_dict())
-        train_step._check_optim(sft_optim)
-    except ValueError as e:
-        raise ConfigError(str(e).replace("rl.optim.", "rl.optim (or rl.sft.optim).", 1)) from None
-    _check(
-        rl.reference_dtype in REFERENCE_DTYPES,
-        "reference_dtype",
-        rl.reference_dtype,
-        f"is unknown; choose one of {REFERENCE_DTYPES}",
-    )
+    grpo.validate_loss_config(rl.loss)
+    train_step._check_optim(rl.optim)
+    sft_optim = ml_collections.ConfigDict(rl.optim.to_dict())
+    sft_optim.update(rl.sft.optim.to_dict())
+    train_step._check_optim(sft_optim, "rl.optim (with rl.sft.optim)")
     _check(
         not rl.routing_replay or cfg.model.moe.num_experts > 0,
         "routing_replay",
@@ -131,7 +91,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     )
     _check_domains(cfg, registry, curriculum)
     _check_engine(cfg)
-    _check(0 <= rl.sft.noise <= 1, "sft.noise", rl.sft.noise, "must be in [0, 1]")
 
 
 def _check_domains(cfg, registry, curriculum) -> None:
@@ -162,8 +121,6 @@ def _check_domains(cfg, registry, curriculum) -> None:
 def _check_engine(cfg) -> None:
     rl = cfg.rl
     e = rl.engine
-    _check(e.draft in DRAFTS, "engine.draft", e.draft, f"is unknown; choose one of {DRAFTS}")
-    _positive_ints(rl, ("engine.draft_ngram",))
     engine_config(cfg)
     if e.draft == "model":
         from model import config as model_config
