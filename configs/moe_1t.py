@@ -1,9 +1,11 @@
 """python -m model.plan --config=configs/moe_1t.py --mesh=data:8,fsdp:32,expert:64,tensor:4
 
-Trillion-parameter class (Kimi-K2-like geometry with GQA instead of MLA): 61 layers, d_model 7168,
-the first layer dense (width 18432), then 384 routed experts (top-8, width 2048) plus 1 shared expert,
-sigmoid routing with an aux-loss-free selection bias, 64 query / 8 kv heads of 128, vocab 163840,
-YaRN RoPE (x32 from 4k). ~1.03T total, ~35B active parameters.
+Trillion-parameter class: Kimi K2's published geometry (moonshotai/Kimi-K2-Instruct config.json). 61
+layers, d_model 7168, the first layer dense (width 18432), then 384 routed experts (top-8, width 2048)
+plus 1 shared expert, sigmoid routing with an aux-loss-free selection bias, routed scaling 2.827; MLA
+with 64 heads: q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v_head 128; vocab 163840; YaRN RoPE
+(x32 from 4k, mscale = mscale_all_dim = 1). `model.plan`: 1.027T total, 32.9B active parameters
+(published: ~1.04T / 32B); the MLA cache holds 61 x 576 values per token (68.6 KiB in bf16).
 """
 
 from configs import base
@@ -17,14 +19,23 @@ def get_config(arg: str | None = None):
     m.d_model = 7168
     m.num_layers = 61
     m.num_heads = 64
-    m.num_kv_heads = 8
-    m.head_dim = 128
+    m.num_kv_heads = 64  # unused by MLA (every head's keys are expanded from the one latent)
+    m.head_dim = 192  # qk_nope + qk_rope: informational under MLA
     m.d_ff = 18_432
-    m.qk_norm = True
+    m.attention_kind = "mla"
+    m.mla.q_lora_rank = 1536
+    m.mla.kv_lora_rank = 512
+    m.mla.qk_nope_head_dim = 128
+    m.mla.qk_rope_head_dim = 64
+    m.mla.v_head_dim = 128
     m.rope.theta = 50_000.0
     m.rope.scaling = "yarn"
     m.rope.factor = 32.0
     m.rope.original_max_position = 4096
+    m.rope.beta_fast = 1.0
+    m.rope.beta_slow = 1.0
+    m.rope.mscale = 1.0
+    m.rope.mscale_all_dim = 1.0
     m.moe.num_experts = 384
     m.moe.top_k = 8
     m.moe.d_ff = 2048

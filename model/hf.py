@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 
 from model import config as config_lib
 from model import hf_config, sharding
+from model.moe import ExpertBias
 from model.transformer import Transformer
 
 # Buffers some checkpoints carry that are not parameters (recomputed from the config).
@@ -62,7 +63,17 @@ _TABLE = {
     ("dense", "gate"): _Entry(_LAYER + "mlp.gate_proj.weight", "linear"),
     ("dense", "up"): _Entry(_LAYER + "mlp.up_proj.weight", "linear"),
     ("dense", "down"): _Entry(_LAYER + "mlp.down_proj.weight", "linear"),
+    ("attn", "q_a"): _Entry(_LAYER + "self_attn.q_a_proj.weight", "linear"),
+    ("attn", "q_a_norm", "scale"): _Entry(_LAYER + "self_attn.q_a_layernorm.weight", "flat"),
+    ("attn", "q_b"): _Entry(_LAYER + "self_attn.q_b_proj.weight", "linear"),
+    ("attn", "kv_a"): _Entry(_LAYER + "self_attn.kv_a_proj_with_mqa.weight", "linear"),
+    ("attn", "kv_a_norm", "scale"): _Entry(_LAYER + "self_attn.kv_a_layernorm.weight", "flat"),
+    ("attn", "kv_b"): _Entry(_LAYER + "self_attn.kv_b_proj.weight", "linear"),
     ("moe", "router"): _Entry(_LAYER + "{moe}.gate.weight", "linear"),
+    ("moe", "expert_bias"): _Entry(_LAYER + "{moe}.gate.e_score_correction_bias", "flat"),
+    ("moe", "shared", "gate"): _Entry(_LAYER + "{moe}.shared_experts.gate_proj.weight", "linear"),
+    ("moe", "shared", "up"): _Entry(_LAYER + "{moe}.shared_experts.up_proj.weight", "linear"),
+    ("moe", "shared", "down"): _Entry(_LAYER + "{moe}.shared_experts.down_proj.weight", "linear"),
     ("moe", "gate"): _Entry(_LAYER + "{moe}.experts.{expert}.{gate}.weight", "linear"),
     ("moe", "up"): _Entry(_LAYER + "{moe}.experts.{expert}.{up}.weight", "linear"),
     ("moe", "down"): _Entry(_LAYER + "{moe}.experts.{expert}.{down}.weight", "linear"),
@@ -104,12 +115,13 @@ class _Param:
 def _names(arch: str) -> dict:
     _, moe, experts = hf_config.ARCHITECTURES[arch]
     gate, up, down = experts or (None, None, None)
-    return {"moe": moe, "gate": gate, "up": up, "down": down}
+    return {"moe": moe, "gate": gate, "up": up, "down": down, "shared": arch == "DeepseekV3ForCausalLM"}
 
 
 def _describe(params_state: nnx.State, cfg: ml_collections.ConfigDict) -> list[_Param]:
-    """Our parameters in checkpoint terms, from the (abstract) Param state."""
+    """Our parameters in checkpoint terms, from the (abstract) Param state (and expert biases)."""
     m = cfg.model
+    shared_ok = _names(cfg.hf.architecture if "hf" in cfg else hf_config.default_architecture(cfg))["shared"]
     num_dense, _ = config_lib.layer_counts(m)
     out = []
     for path, var in nnx.to_flat_state(params_state):
@@ -125,11 +137,12 @@ def _describe(params_state: nnx.State, cfg: ml_collections.ConfigDict) -> list[_
             layer_ids = tuple(offset + i for i in range(shape[0])) if stacked else (offset + rest[0],)
             key = rest if stacked else rest[1:]
             if key[0] == "mlp":
-                if is_moe and key[1] == "shared":
-                    raise ValueError("shared experts have no counterpart in the supported HF formats")
+                if is_moe and key[1] == "shared" and not shared_ok:
+                    raise ValueError("shared experts have no counterpart in this HF format")
                 key = ("moe" if is_moe else "dense",) + key[1:]
             entry = _TABLE.get(key)
-            experts = m.moe.num_experts if key[0] == "moe" and key[1] != "router" else 0
+            per_expert = key[0] == "moe" and key[1] in ("gate", "up", "down")
+            experts = m.moe.num_experts if per_expert else 0
         if entry is None:
             raise ValueError(f"parameter {'/'.join(map(str, path))} has no Hugging Face counterpart")
         out.append(_Param(path, shape, dtype, entry, layer_ids, stacked, experts))
@@ -169,10 +182,39 @@ def _to_hf(elem: np.ndarray, p: _Param) -> np.ndarray:
     return elem.reshape(hf_shape)
 
 
-class _Checkpoint:
-    """Lazy access to the tensors of a directory of safetensors files."""
+_SCALE_SUFFIX = "_scale_inv"  # FP8 checkpoints: `<name>_scale_inv` beside each e4m3 `<name>`
 
-    def __init__(self, directory: pathlib.Path):
+
+def _read_raw(path: pathlib.Path, name: str) -> np.ndarray:
+    """One tensor read from the safetensors layout itself (8-byte header size, JSON header, data): the
+    numpy reader of safetensors does not know the float8 dtypes."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(size))[name]
+        begin, end = info["data_offsets"]
+        f.seek(8 + size + begin)
+        data = f.read(end - begin)
+    dtypes = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+    return np.frombuffer(data, dtypes[info["dtype"]]).reshape(info["shape"])
+
+
+def dequantize_blocks(w_OI: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """f32 weights of a block-quantized [out, in] tensor: block (i, j) of `block` rows x cols is
+    multiplied by scale_inv[i, j] (edge blocks are partial)."""
+    o, i = w_OI.shape
+    bo, bi = block
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:o, :i]
+    return w_OI.astype(np.float32) * s
+
+
+class _Checkpoint:
+    """Lazy access to the tensors of a directory of safetensors files. FP8 block-quantized tensors
+    (`quantization_config.weight_block_size`) are dequantized to f32 as they are read, one at a time."""
+
+    def __init__(self, directory: pathlib.Path, block: tuple[int, int] | None = None):
+        self.block = block
         index = directory / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -197,9 +239,17 @@ class _Checkpoint:
         s = self._file(name).get_slice(name)
         return tuple(s.get_shape()), s.get_dtype()
 
+    def quantized(self, name: str) -> bool:
+        return self.shape_dtype(name)[1] in _FP8_DTYPES
+
     def read(self, name: str) -> np.ndarray:
-        """A copy of one tensor; the file is mapped only while it is read, so the pages of tensors already
-        placed do not stay resident (they would count once more against host memory)."""
+        """A copy of one tensor (FP8: dequantized to f32); the file is mapped only while it is read, so the
+        pages of tensors already placed do not stay resident (they would count once more against host
+        memory)."""
+        if self.quantized(name):
+            w = _read_raw(self.directory / self.weight_map[name], name)
+            scale = self.read(name + _SCALE_SUFFIX)
+            return dequantize_blocks(w, scale, self.block)
         with safe_open(self.directory / self.weight_map[name], "np") as f:
             return f.get_tensor(name)
 
@@ -210,9 +260,12 @@ class _Checkpoint:
 
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
 
 
-def _check(ckpt: _Checkpoint, params: list[_Param], names: dict, tied: bool) -> None:
+def _check(
+    ckpt: _Checkpoint, params: list[_Param], names: dict, tied: bool, ignored_layers=(), not_read=()
+) -> None:
     expected = {}
     for p in params:
         for _, name in _elements(p, names):
@@ -221,7 +274,10 @@ def _check(ckpt: _Checkpoint, params: list[_Param], names: dict, tied: bool) -> 
     missing = sorted(set(expected) - present)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
-    ignorable = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
+    ignorable = {n for n in present if n.endswith(_IGNORED_SUFFIXES)} | set(not_read)
+    ignorable |= {n for n in present if n.endswith(_SCALE_SUFFIX) and n[: -len(_SCALE_SUFFIX)] in expected}
+    # MTP modules (stored as decoder layers after the last one) are not part of our model yet.
+    ignorable |= {n for n in present for i in ignored_layers if n.startswith(_LAYER.format(layer=i))}
     if tied:
         ignorable.add("lm_head.weight")  # some tied checkpoints also store the (identical) output matrix
     unexpected = sorted(present - set(expected) - ignorable)
@@ -234,8 +290,14 @@ def _check(ckpt: _Checkpoint, params: list[_Param], names: dict, tied: bool) -> 
         shape, dtype = ckpt.shape_dtype(name)
         if shape != p.hf_shape():
             raise ValueError(f"tensor {name}: shape {shape}, but config.json implies {p.hf_shape()}")
-        if dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"tensor {name}: dtype {dtype}; only float tensors load (dequantize first)")
+        if dtype in _FP8_DTYPES:
+            if ckpt.block is None or name + _SCALE_SUFFIX not in present:
+                raise ValueError(
+                    f"tensor {name}: dtype {dtype} needs {name + _SCALE_SUFFIX} and config.json's "
+                    "quantization_config.weight_block_size (block-quantized FP8)"
+                )
+        elif dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {dtype}; only float and block-quantized FP8 tensors load")
 
 
 def _reader(ckpt: _Checkpoint, p: _Param, names: dict):
@@ -312,14 +374,23 @@ def read_config(directory) -> ml_collections.ConfigDict:
     return hf_config.from_hf(json.loads(path.read_text()))
 
 
-def _abstract(cfg: ml_collections.ConfigDict):
+def _abstract(cfg: ml_collections.ConfigDict, variables=nnx.Param):
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
-    return nnx.split(abstract, nnx.Param, ...)
+    return nnx.split(abstract, variables, ...)
 
 
-def load(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None = None):
+def load(
+    directory,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: str | None = None,
+    variables=nnx.Param,
+):
     """(cfg, params) of an HF checkpoint: `params` is the model's `nnx.Param` state, each array placed
-    with its sharding on `mesh` (or on the default device). `dtype` overrides the parameter dtype."""
+    with its sharding on `mesh` (or on the default device). `dtype` overrides the parameter dtype (FP8
+    checkpoints load in their non-quantized dtype, bf16 by default). `variables` (an nnx filter) widens
+    what is read, e.g. `(nnx.Param, model.moe.ExpertBias)` for DeepSeek-V3's `e_score_correction_bias`,
+    which `load_model` reads too."""
     directory = pathlib.Path(directory)
     cfg = read_config(directory)
     if dtype is not None:
@@ -327,12 +398,19 @@ def load(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None 
     if mesh is not None:
         cfg.mesh.shape = ml_collections.ConfigDict(dict(zip(mesh.axis_names, mesh.axis_sizes)))
     config_lib.validate(cfg, None if mesh is None else mesh.size)
-    _, params_state, _ = _abstract(cfg)
+    _, params_state, _ = _abstract(cfg, variables)
     params = _describe(params_state, cfg)
     names = _names(cfg.hf.architecture)
-    ckpt = _Checkpoint(directory)
+    hf = cfg.hf.config.to_dict()
+    block = (hf.get("quantization_config") or {}).get("weight_block_size")
+    ckpt = _Checkpoint(directory, None if block is None else tuple(block))
+    mtp = range(cfg.model.num_layers, cfg.model.num_layers + hf_config.mtp_layers(hf))
+    # Tensors of variables this call does not read (the expert biases, for a Param-only load) are known.
+    _, everything, _ = _abstract(cfg, (nnx.Param, ExpertBias))
+    read = {p.path for p in params}
+    not_read = [n for p in _describe(everything, cfg) if p.path not in read for _, n in _elements(p, names)]
     try:
-        _check(ckpt, params, names, bool(cfg.model.tie_embeddings))
+        _check(ckpt, params, names, bool(cfg.model.tie_embeddings), mtp, not_read)
         if mesh is None:
             shardings = {p.path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for p in params}
         else:
@@ -353,17 +431,20 @@ def load(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None 
 
 
 def load_model(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None = None):
-    """(cfg, Transformer) with the checkpoint's weights."""
-    cfg, params = load(directory, mesh=mesh, dtype=dtype)
-    graphdef, _, rest = _abstract(cfg)
+    """(cfg, Transformer) with the checkpoint's weights (and expert selection biases)."""
+    variables = (nnx.Param, ExpertBias)
+    cfg, params = load(directory, mesh=mesh, dtype=dtype, variables=variables)
+    graphdef, _, rest = _abstract(cfg, variables)
     return cfg, nnx.merge(graphdef, params, rest)
 
 
 def save(
     cfg: ml_collections.ConfigDict, params: nnx.State, directory, *, max_shard_bytes: int = 2**31
 ) -> None:
-    """Writes `params` (the `nnx.Param` state) as an HF checkpoint: config.json and safetensors shards
-    (with model.safetensors.index.json when there are several), one parameter on the host at a time."""
+    """Writes `params` (the `nnx.Param` state, or one with the `ExpertBias` variables too, which DeepSeek-V3
+    stores as `e_score_correction_bias`; without them transformers starts those at zero) as an HF
+    checkpoint: config.json and safetensors shards (with model.safetensors.index.json when there are
+    several), one parameter on the host at a time."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf = hf_config.to_hf(cfg)
@@ -375,8 +456,9 @@ def save(
     writer = _ShardWriter(directory, max_shard_bytes)
     for p in described:
         host = np.asarray(jax.device_get(sharding.variable_value(values[p.path])))
+        dt = p.dtype if p.entry.name.endswith("e_score_correction_bias") else out_dtype  # f32 in HF too
         for lead, name in _elements(p, names):
-            writer.add(name, _to_hf(host[lead], p).astype(out_dtype))
+            writer.add(name, _to_hf(host[lead], p).astype(dt))
         del host
     writer.finish()
     (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))

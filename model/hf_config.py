@@ -1,8 +1,10 @@
 """Hugging Face `config.json` <-> our `ml_collections` config, for the architectures `model.hf` loads.
 
-Supported: Qwen3-MoE, Qwen3, Qwen2, Llama (3.x rope scaling included) and Mixtral. Anything else, or a
-supported architecture with a feature our model lacks (sliding-window layers, MoE layers that are not a
-contiguous run after the dense ones, shared experts), gets a `ValueError` naming it.
+Supported: Qwen3-MoE, Qwen3, Qwen2, Llama (3.x rope scaling included), Mixtral and DeepSeek-V3 (Kimi K2
+uses the same architecture: MLA, sigmoid routing with a selection bias, group-limited top-k, shared
+experts, YaRN). Anything else, or a supported architecture with a feature our model lacks
+(sliding-window layers, MoE layers that are not a contiguous run after the dense ones, shared experts
+outside DeepSeek-V3), gets a `ValueError` naming it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", None, None),
     "LlamaForCausalLM": ("llama", None, None),
     "MixtralForCausalLM": ("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 KNOWN_UNSUPPORTED = {
-    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
-    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2 routing (softmax scores, group-limited greedy selection)",
     "Qwen2MoeForCausalLM": "gated shared experts",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
 }
@@ -59,10 +61,19 @@ def _rope(hf: dict, r: ml_collections.ConfigDict) -> None:
         r.low_freq_factor = float(params["low_freq_factor"])
         r.high_freq_factor = float(params["high_freq_factor"])
         r.original_max_position = int(params["original_max_position_embeddings"])
+    elif kind == "yarn":
+        if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+            raise ValueError("config.json: yarn with attention_factor or truncate=false is not supported")
+        r.scaling, r.factor = "yarn", float(params["factor"])
+        r.original_max_position = int(params["original_max_position_embeddings"])
+        r.beta_fast = float(params.get("beta_fast") or 32.0)
+        r.beta_slow = float(params.get("beta_slow") or 1.0)
+        r.mscale = float(params.get("mscale") or 0.0)
+        r.mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
     else:
         raise ValueError(
             f"config.json: rope type {kind!r} is not supported for loading "
-            "(supported: default, linear, llama3)"
+            "(supported: default, linear, llama3, yarn)"
         )
 
 
@@ -121,10 +132,48 @@ def from_hf(hf: dict) -> ml_collections.ConfigDict:
         e.renormalize = arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False))
         e.first_dense_layers = _moe_layout(hf, arch, m.num_layers)
         e.load_balance_weight = float(hf.get("router_aux_loss_coef", e.load_balance_weight))
+    if arch == "DeepseekV3ForCausalLM":
+        _deepseek_v3(hf, m)
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if hf.get("quantization_config"):
+        dtype = "bfloat16" if dtype == "float8_e4m3fn" else dtype
     m.param_dtype = m.compute_dtype = str(dtype)
     cfg.hf = ml_collections.ConfigDict({"architecture": arch, "config": hf})
     return cfg
+
+
+def _deepseek_v3(hf: dict, m: ml_collections.ConfigDict) -> None:
+    """MLA and DeepSeek-V3 routing fields (Kimi K2 has the same config.json keys)."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(key, want) != want:
+            raise ValueError(f"config.json: {key}={hf[key]!r} is not supported (only {want!r})")
+    m.attention_kind = "mla"
+    a = m.mla
+    a.q_lora_rank = int(hf.get("q_lora_rank") or 0)
+    a.kv_lora_rank = int(hf["kv_lora_rank"])
+    a.qk_nope_head_dim = int(hf["qk_nope_head_dim"])
+    a.qk_rope_head_dim = int(hf["qk_rope_head_dim"])
+    a.v_head_dim = int(hf["v_head_dim"])
+    a.rope_interleave = bool(hf.get("rope_interleave", True))
+    m.num_kv_heads = m.num_heads  # unused by MLA: every head has its own keys, expanded from one latent
+    m.head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
+    e = m.moe
+    e.num_experts = int(hf["n_routed_experts"])
+    e.top_k = int(hf["num_experts_per_tok"])
+    e.d_ff = int(hf["moe_intermediate_size"])
+    e.num_shared_experts = int(hf.get("n_shared_experts") or 0)
+    e.shared_d_ff = e.d_ff
+    e.router = "sigmoid"
+    e.renormalize = bool(hf.get("norm_topk_prob", True))
+    e.routed_scaling = float(hf.get("routed_scaling_factor", 1.0))
+    e.n_group = int(hf.get("n_group") or 1)
+    e.topk_group = int(hf.get("topk_group") or 1)
+    e.first_dense_layers = int(hf.get("first_k_dense_replace") or 0)
+
+
+def mtp_layers(hf: dict) -> int:
+    """Multi-token-prediction modules stored after the decoder layers (DeepSeek-V3's layer 61)."""
+    return int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0)
 
 
 def to_hf(cfg: ml_collections.ConfigDict) -> dict:
@@ -132,10 +181,11 @@ def to_hf(cfg: ml_collections.ConfigDict) -> dict:
     m = cfg.model
     arch = cfg.hf.architecture if "hf" in cfg else default_architecture(cfg)
     hf = dict(cfg.hf.config.to_dict() if "hf" in cfg else {})
-    if m.moe.num_experts and m.moe.num_shared_experts:
+    deepseek = arch == "DeepseekV3ForCausalLM"
+    if m.moe.num_experts and m.moe.num_shared_experts and not deepseek:
         raise ValueError("model.moe.num_shared_experts > 0 has no counterpart in the supported HF formats")
-    if m.rope.scaling not in ("none", "linear", "llama3"):
-        raise ValueError(f"model.rope.scaling={m.rope.scaling!r} cannot be exported (none, linear, llama3)")
+    if m.rope.scaling not in ("none", "linear", "llama3", "yarn"):
+        raise ValueError(f"model.rope.scaling={m.rope.scaling!r} cannot be exported")
     model_type = ARCHITECTURES[arch][0]
     hf.update(
         architectures=[arch],
@@ -155,6 +205,16 @@ def to_hf(cfg: ml_collections.ConfigDict) -> dict:
     rope = {"rope_theta": m.rope.theta, "rope_type": "default"}
     if m.rope.scaling == "linear":
         rope.update(rope_type="linear", factor=m.rope.factor)
+    elif m.rope.scaling == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=m.rope.factor,
+            original_max_position_embeddings=m.rope.original_max_position,
+            beta_fast=m.rope.beta_fast,
+            beta_slow=m.rope.beta_slow,
+        )
+        if m.rope.mscale or m.rope.mscale_all_dim:
+            rope.update(mscale=m.rope.mscale, mscale_all_dim=m.rope.mscale_all_dim)
     elif m.rope.scaling == "llama3":
         rope.update(
             rope_type="llama3",
@@ -168,7 +228,9 @@ def to_hf(cfg: ml_collections.ConfigDict) -> dict:
     hf["rope_theta"] = m.rope.theta
     if arch == "LlamaForCausalLM":
         hf["attention_bias"] = bool(m.attention_bias)
-    if m.moe.num_experts:
+    if deepseek:
+        _deepseek_v3_to_hf(m, hf)
+    elif m.moe.num_experts:
         key = "num_experts" if arch == "Qwen3MoeForCausalLM" else "num_local_experts"
         hf.update({key: m.moe.num_experts, "num_experts_per_tok": m.moe.top_k})
         if arch == "Qwen3MoeForCausalLM":
@@ -181,9 +243,41 @@ def to_hf(cfg: ml_collections.ConfigDict) -> dict:
     return hf
 
 
+def _deepseek_v3_to_hf(m: ml_collections.ConfigDict, hf: dict) -> None:
+    e, a = m.moe, m.mla
+    if not e.num_experts or e.router != "sigmoid" or m.attention_kind != "mla":
+        raise ValueError("DeepseekV3ForCausalLM needs attention_kind='mla' and MoE with the sigmoid router")
+    if e.num_shared_experts and e.shared_d_ff != e.d_ff:
+        raise ValueError("DeepSeek-V3 shared experts have moe.d_ff width; set moe.shared_d_ff = moe.d_ff")
+    hf.update(
+        q_lora_rank=a.q_lora_rank or None,
+        kv_lora_rank=a.kv_lora_rank,
+        qk_nope_head_dim=a.qk_nope_head_dim,
+        qk_rope_head_dim=a.qk_rope_head_dim,
+        v_head_dim=a.v_head_dim,
+        rope_interleave=bool(a.rope_interleave),
+        head_dim=a.qk_rope_head_dim,
+        n_routed_experts=e.num_experts,
+        num_experts_per_tok=e.top_k,
+        moe_intermediate_size=e.d_ff,
+        n_shared_experts=e.num_shared_experts,
+        norm_topk_prob=bool(e.renormalize),
+        routed_scaling_factor=e.routed_scaling,
+        n_group=e.n_group,
+        topk_group=e.topk_group,
+        first_k_dense_replace=e.first_dense_layers,
+        attention_bias=False,
+        num_nextn_predict_layers=0,  # MTP modules are not part of our model (yet): none are written
+    )
+    hf.pop("num_mtp_layers", None)
+    hf.pop("quantization_config", None)  # we write the configured dtype, never FP8
+
+
 def default_architecture(cfg: ml_collections.ConfigDict) -> str:
     """The HF architecture our own models are exported as."""
     m = cfg.model
+    if m.attention_kind == "mla":
+        return "DeepseekV3ForCausalLM"
     if m.moe.num_experts:
         if m.moe.router != "softmax" or m.moe.routed_scaling != 1.0:
             raise ValueError(

@@ -67,11 +67,32 @@ def count_params(cfg: ConfigDict) -> dict[str, int]:
     return _count(cfg, abstract_params(cfg))
 
 
+def _attention_widths(m: ConfigDict) -> tuple[int, int]:
+    """(q/k head width, v head width) of the attention scores and values."""
+    if m.attention_kind == "mla":
+        return m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
+    return m.head_dim, m.head_dim
+
+
+def kv_cache_bytes_per_token(cfg: ConfigDict, dtype: str | None = None) -> int:
+    """Bytes the KV cache holds per token over all layers, in `dtype` (default compute_dtype):
+    GQA 2 * num_kv_heads * head_dim per layer (k and v); MLA kv_lora_rank + qk_rope_head_dim per layer
+    (the latent and the shared RoPE key, for all heads)."""
+    m = cfg.model
+    itemsize = jnp.dtype(dtype or m.compute_dtype).itemsize
+    if m.attention_kind == "mla":
+        per_layer = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+    else:
+        per_layer = 2 * m.num_kv_heads * m.head_dim
+    return m.num_layers * per_layer * itemsize
+
+
 def _flops(cfg: ConfigDict, counts: dict, seq_len: int, training: bool) -> float:
     m = cfg.model
     # The input embedding is a gather; a tied table still counts once, as the output projection.
     matmul_params = counts["active"] - (0 if m.tie_embeddings else counts["embedding"])
-    attention = 2 * 2 * m.num_layers * m.num_heads * m.head_dim * seq_len / 2
+    qk, v = _attention_widths(m)
+    attention = 2 * m.num_layers * m.num_heads * (qk + v) * seq_len / 2
     forward = 2.0 * matmul_params + attention
     return 3.0 * forward if training else forward
 
@@ -79,13 +100,15 @@ def _flops(cfg: ConfigDict, counts: dict, seq_len: int, training: bool) -> float
 def flops_per_token(cfg: ConfigDict, seq_len: int, *, training: bool = True) -> float:
     """Matmul FLOPs per token, the numerator of MFU:
 
-        forward  = 2 * P_matmul + 2 * 2 * num_layers * num_heads * head_dim * seq_len / 2
+        forward  = 2 * P_matmul + 2 * num_layers * num_heads * (H_qk + H_v) * seq_len / 2
         training = 3 * forward   (the backward pass costs twice the forward)
 
     P_matmul is `count_params(cfg)['active']` less the input embedding (a gather, not a matmul;
     a tied table counts once, as the output projection). Norm scales (elementwise, < 0.01%) stay in
     P_matmul for simplicity. The attention term is QK^T and PV, 2 FLOPs per multiply-add, over
-    `seq_len` keys, halved because a causal query sees half of them on average.
+    `seq_len` keys, halved because a causal query sees half of them on average; H_qk = H_v = head_dim
+    for GQA, qk_nope + qk_rope and v_head_dim for MLA (its training form; the kernels' zero padding of
+    v to H_qk is not counted).
     """
     return _flops(cfg, count_params(cfg), seq_len, training)
 
@@ -142,8 +165,16 @@ def _layer_elems_per_token(m: ConfigDict, tp: int, moe: bool) -> tuple[int, int]
     """(matmul outputs that `dots_saveable` keeps, other intermediates) of one layer per token."""
     d, e = m.d_model, m.moe
     heads, kv = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
-    saved = (heads + 2 * kv) * m.head_dim + d  # q, k, v projections; output projection
-    other = 2 * d + heads * m.head_dim  # the two normed inputs; attention output
+    if m.attention_kind == "mla":
+        a = m.mla
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        # q (and its low-rank input), the latent row, k_nope and v per head; output projection
+        saved = a.q_lora_rank + heads * qk + a.kv_lora_rank + a.qk_rope_head_dim
+        saved += heads * (a.qk_nope_head_dim + a.v_head_dim) + d
+        other = 2 * d + 2 * heads * qk  # the two normed inputs; assembled keys, v-padded attention output
+    else:
+        saved = (heads + 2 * kv) * m.head_dim + d  # q, k, v projections; output projection
+        other = 2 * d + heads * m.head_dim  # the two normed inputs; attention output
     if not moe:
         f = -(-m.d_ff // tp)
         return saved + 2 * f + d, other + f  # gate, up, down outputs; silu(gate) * up
@@ -237,6 +268,7 @@ def plan(
         **{f"params_{k}": v for k, v in counts.items()},
         "flops_per_token_train": _flops(cfg, counts, seq_len, True),
         "flops_per_token_forward": _flops(cfg, counts, seq_len, False),
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
         "param_bytes_per_device": param_bytes,
         "expert_param_bytes_per_device": sum(s.bytes_per_device for s in shards.values() if s.expert),
         "grad_bytes_per_device": param_bytes,
@@ -271,6 +303,7 @@ def format_table(p: dict) -> str:
             "FLOPs/token",
             f"{p['flops_per_token_train']:.4g} train, {p['flops_per_token_forward']:.4g} forward",
         ),
+        ("KV cache/token", f"{p['kv_cache_bytes_per_token']:,} bytes (compute dtype, all layers)"),
         ("params/device", _gib(p["param_bytes_per_device"])),
         ("  routed experts", _gib(p["expert_param_bytes_per_device"])),
         (

@@ -1,4 +1,4 @@
-"""Decoder-only MoE transformer (pre-norm, GQA, RoPE, SwiGLU or MoE MLP) and `build`.
+"""Decoder-only MoE transformer (pre-norm, GQA or MLA attention, RoPE, SwiGLU or MoE MLP) and `build`.
 
 Dimension key: B batch, T tokens, S cache slots, D model width, V vocab, L layers, K kv heads,
 H head dim, k experts per token.
@@ -21,6 +21,7 @@ from flax import nnx
 from model import config as config_lib
 from model import layers, seeds, sharding
 from model.attention import Attention
+from model.mla import MLAttention, cache_width
 from model.moe import MoEBlock
 
 ACT = ("act_batch", "act_length", "act_embed")
@@ -35,7 +36,8 @@ class Block(nnx.Module):
         m = cfg.model
         rules = tuple(cfg.mesh.rules)
         self.attn_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, dtype=m.param_dtype)
-        self.attn = Attention(m, rules, rngs=rngs)
+        attention_cls = MLAttention if m.attention_kind == "mla" else Attention
+        self.attn = attention_cls(m, rules, rngs=rngs)
         self.mlp_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, dtype=m.param_dtype)
         if use_moe:
             self.mlp = MoEBlock(m, rules, rngs=rngs)
@@ -110,24 +112,26 @@ class LayerStack(nnx.Module):
         return x_BTD, stack(auxes), (None if cache is None else stack(caches))
 
     def _paged(self, run, x_BTD, cache, expert_indices_LBTk):
-        """The layers over a paged cache: the page arrays are carried (updated in place), layer i of the
-        stack is cache layer `cache["layer"] + i`."""
+        """The layers over a paged cache: the page arrays (`page_keys`) are carried (updated in place),
+        layer i of the stack is cache layer `cache["layer"] + i`."""
         first = cache["layer"]
+        names = page_keys(cache)
 
         if self.scan:
             graphdef, state = nnx.split(self.blocks)
             num = jax.tree.leaves(state)[0].shape[0]
 
             def body(carry, xs):
-                x, k_all, v_all = carry
+                x, pages = carry
                 layer_state, i, idx = xs
-                layer_cache = dict(cache, k=k_all, v=v_all, layer=first + i)
+                layer_cache = dict(cache, **pages, layer=first + i)
                 x, aux, layer_cache = run(nnx.merge(graphdef, layer_state), x, layer_cache, idx)
-                return (x, layer_cache["k"], layer_cache["v"]), aux
+                return (x, {k: layer_cache[k] for k in names}), aux
 
             xs = (state, jnp.arange(num, dtype=jnp.int32), expert_indices_LBTk)
-            (x_BTD, k_all, v_all), aux = jax.lax.scan(body, (x_BTD, cache["k"], cache["v"]), xs)
-            return x_BTD, aux, dict(cache, k=k_all, v=v_all)
+            pages = {k: cache[k] for k in names}
+            (x_BTD, pages), aux = jax.lax.scan(body, (x_BTD, pages), xs)
+            return x_BTD, aux, dict(cache, **pages)
         auxes = []
         for i, block in enumerate(self.blocks):
             idx = None if expert_indices_LBTk is None else expert_indices_LBTk[i]
@@ -135,6 +139,13 @@ class LayerStack(nnx.Module):
             auxes.append(aux)
         stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
         return x_BTD, stack(auxes), dict(cache, layer=first)
+
+
+PAGE_KEYS = ("k", "v", "latent")  # the arrays a KV cache holds: GQA keys and values, or MLA latent rows
+
+
+def page_keys(cache: dict) -> tuple[str, ...]:
+    return tuple(k for k in PAGE_KEYS if k in cache)
 
 
 class Transformer(nnx.Module):
@@ -173,16 +184,23 @@ class Transformer(nnx.Module):
                 dtype=m.param_dtype,
             )
 
+    def cache_rows(self) -> tuple[dict[str, int], int]:
+        """({page array name: width}, rows per layer) of this model's KV cache: GQA keeps `k` and `v` of
+        head_dim per kv head; MLA one `latent` row of kv_lora_rank + qk_rope_head_dim for all heads."""
+        m = self.cfg.model
+        if m.attention_kind == "mla":
+            return {"latent": cache_width(m)}, 1
+        return {"k": m.head_dim, "v": m.head_dim}, m.num_kv_heads
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
         """A contiguous KV cache for `max_len` positions per row, empty (index 0)."""
-        m = self.cfg.model
-        dtype = dtype or m.compute_dtype
+        dtype = dtype or self.cfg.model.compute_dtype
+        widths, heads = self.cache_rows()
 
         def group(num):
             if not num:
                 return None
-            shape = (num, batch, max_len, m.num_kv_heads, m.head_dim)
-            return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            return {k: jnp.zeros((num, batch, max_len, heads, w), dtype) for k, w in widths.items()}
 
         return {
             "dense": group(self.num_dense),
@@ -191,12 +209,14 @@ class Transformer(nnx.Module):
         }
 
     def init_paged_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
-        """Empty page arrays `k`/`v` [num_layers * K, num_pages, page_size, H] for a paged cache (the
-        engine owns the page tables; see `__call__`)."""
+        """Empty page arrays [num_layers * K, num_pages, page_size, width] for a paged cache (`k`/`v`, or
+        MLA's `latent` with K = 1; see `cache_rows`). The engine owns the page tables; see `__call__`."""
         m = self.cfg.model
-        shape = (m.num_layers * m.num_kv_heads, num_pages, page_size, m.head_dim)
         dtype = dtype or m.compute_dtype
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        widths, heads = self.cache_rows()
+        return {
+            k: jnp.zeros((m.num_layers * heads, num_pages, page_size, w), dtype) for k, w in widths.items()
+        }
 
     def __call__(
         self,
@@ -220,8 +240,9 @@ class Transformer(nnx.Module):
             if kv_cache is None:
                 return None
             c = kv_cache[name]
-            index = jnp.broadcast_to(kv_cache["index"], (c["k"].shape[0], b))
-            return {"k": c["k"], "v": c["v"], "index": index}
+            arrays = {k: c[k] for k in page_keys(c)}
+            index = jnp.broadcast_to(kv_cache["index"], (next(iter(arrays.values())).shape[0], b))
+            return dict(arrays, index=index)
 
         new_cache = {}
         moe_aux = {}
@@ -257,11 +278,10 @@ class Transformer(nnx.Module):
         )
 
     def _paged_call(self, x_BTD, positions_BT, kv_cache, expert_indices):
-        """Paged-cache forward: `kv_cache` = {k, v (from `init_paged_cache`), page_table [B, M], start [B],
-        num_new [B]}; returns logits and aux["kv_cache"] with the updated k / v."""
+        """Paged-cache forward: `kv_cache` = {the page arrays of `init_paged_cache`, page_table [B, M],
+        start [B], num_new [B]}; returns logits and aux["kv_cache"] with the updated page arrays."""
         cache = {
-            "k": kv_cache["k"],
-            "v": kv_cache["v"],
+            **{k: kv_cache[k] for k in page_keys(kv_cache)},
             "page_table": kv_cache["page_table"].astype(jnp.int32),
             "start": kv_cache["start"].astype(jnp.int32),
             "num_new": kv_cache["num_new"].astype(jnp.int32),
@@ -274,12 +294,12 @@ class Transformer(nnx.Module):
             cache = dict(cache, layer=jnp.asarray(self.num_dense, jnp.int32))
             x_BTD, moe_aux, cache = self.moe_layers(x_BTD, positions_BT, None, cache, expert_indices)
         aux = summarize_aux(moe_aux, self.cfg.model.moe)
-        aux["kv_cache"] = {"k": cache["k"], "v": cache["v"]}
+        aux["kv_cache"] = {k: cache[k] for k in page_keys(cache)}
         return self._logits(x_BTD), aux
 
 
 def _strip_index(c):
-    return None if c is None else {"k": c["k"], "v": c["v"]}
+    return None if c is None else {k: c[k] for k in page_keys(c)}
 
 
 def summarize_aux(moe_aux: dict, moe_cfg) -> dict:

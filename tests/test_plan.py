@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import model
-from configs import moe_1t, small, tiny
+from configs import deepseek_v3, moe_1t, small, tiny
 from model import plan, sharding
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -88,6 +88,52 @@ def test_moe_1t_plans_without_allocation():
         + p["adamw_bytes_per_device"]
         + p["activation_bytes_per_device"]
     )
+
+
+def _tiny_mla():
+    cfg = tiny.get_config()
+    m = cfg.model
+    m.attention_kind, m.qk_norm = "mla", False
+    m.mla.update(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    return cfg
+
+
+def test_mla_params_by_hand_and_match_built_model():
+    # tiny with MLA (D=64, N=4, q_lora 16, kv_lora 12, qk_nope 8, qk_rope 4, v 6) per layer:
+    #   q_a 64*16 = 1024, q_a_norm 16, q_b 16*4*(8+4) = 768, kv_a 64*(12+4) = 1024, kv_a_norm 12,
+    #   kv_b 12*4*(8+6) = 672, o 4*6*64 = 1536                                   -> 5052
+    # GQA tiny's attention was 12288 + 32 (qk_norm) = 12320 per layer; two layers.
+    cfg = _tiny_mla()
+    assert plan.count_params(cfg)["total"] == 230272 - 2 * (12320 - 5052) == _real_param_count(cfg)
+    # Forward attention FLOPs: 2 * L * N * (12 + 6) * T / 2 at T=32 = 2 * 2 * 4 * 18 * 16.
+    active = 156544 - 2 * (12320 - 5052)
+    assert plan.flops_per_token(cfg, 32, training=False) == 2 * (active - 16384) + 2 * 2 * 4 * 18 * 16
+
+
+def test_kv_cache_bytes_per_token():
+    # DeepSeek-V3 in bf16: 61 layers x (kv_lora 512 + qk_rope 64) x 2 bytes = 70,272 (the ~70 KB of the
+    # paper); Kimi K2 has the same cache row. The GQA geometry moe_1t had before (8 kv heads of 128):
+    # 61 x 2 x 8 x 128 x 2 = 249,856 bytes, 3.56x more.
+    assert plan.kv_cache_bytes_per_token(deepseek_v3.get_config()) == 70_272
+    assert plan.kv_cache_bytes_per_token(moe_1t.get_config()) == 70_272
+    gqa = moe_1t.get_config()
+    gqa.model.update(attention_kind="gqa", num_kv_heads=8, head_dim=128)
+    assert plan.kv_cache_bytes_per_token(gqa) == 249_856
+    assert plan.kv_cache_bytes_per_token(tiny.get_config(), "float32") == 2 * 2 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize(
+    "get, total, active",
+    [(moe_1t.get_config, 1.04e12, 32e9), (deepseek_v3.get_config, 671e9, 37e9)],
+    ids=["kimi_k2", "deepseek_v3"],
+)
+def test_published_geometries_match_published_counts(get, total, active):
+    # Published: Kimi K2 1.04T total / 32B activated; DeepSeek-V3 671B / 37B (its 14B MTP module apart).
+    # Activated here excludes the input embedding (a lookup, not a matmul): with it Kimi K2 counts
+    # 32.86B, 2.7% above the rounded "32B"; without it 31.69B. DeepSeek-V3: 37.55B with, 36.62B without.
+    counts = plan.count_params(get())
+    assert abs(counts["total"] / total - 1) < 0.02
+    assert abs((counts["active"] - counts["embedding"]) / active - 1) < 0.02
 
 
 def test_expert_bytes_shrink_over_expert_axis():

@@ -1,0 +1,221 @@
+"""DeepSeek-V3 / Kimi K2 architecture against `transformers`' DeepseekV3ForCausalLM: logits (also on a
+left-padded batch) and 20 greedy tokens through our KV cache (MLA's absorbed form), for geometries with
+and without the query low-rank path, one and several expert groups, one and several dense first layers,
+YaRN with DeepSeek's softmax-scale correction; bit-exact save round trips; FP8 block-quantized weights
+dequantized on load against a hand-computed block.
+"""
+
+import json
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from model import hf
+from model.moe import ExpertBias
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LOGIT_ATOL = 1e-4  # f32 on both sides; sums in a different order (and MLA's absorbed form in decode)
+VOCAB = 96
+
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_attention_heads=4,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    num_mtp_layers=0,
+    # Wide init so that router scores (and group scores) are well separated: a near tie would make the
+    # choice of experts depend on the last bit of either implementation.
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+GEOMETRIES = {
+    # q low-rank path, 2 groups of 4 (a token uses 1), one dense layer
+    "qlora_groups": dict(
+        num_hidden_layers=3,
+        q_lora_rank=16,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
+    # V2-Lite style: no q low-rank path, no groups, two dense layers
+    "no_qlora": dict(
+        num_hidden_layers=4,
+        q_lora_rank=None,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=2,
+    ),
+    # 4 groups (a token uses 2), YaRN with mscale / mscale_all_dim, rotate-half RoPE, unnormalised top-k
+    "yarn_groups": dict(
+        num_hidden_layers=2,
+        q_lora_rank=8,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=False,
+        rope_interleave=False,
+        max_position_embeddings=64,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10_000.0,
+            factor=4.0,
+            original_max_position_embeddings=16,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=0.707,
+            mscale_all_dim=1.0,
+        ),
+    ),
+}
+
+
+def _make_hf(name: str, path, dtype=torch.float32):
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{**BASE, **GEOMETRIES[name]})
+    net = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # a real selection bias, so that it is tested (HF initialises it to zero)
+        for layer in net.model.layers[config.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(config.n_routed_experts))
+    net = net.to(dtype)
+    net.save_pretrained(path)
+    return net
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for name in GEOMETRIES:
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (path, _make_hf(name, path))
+    return out
+
+
+def _greedy(m, prompt_BT, steps: int) -> np.ndarray:
+    b, t = prompt_BT.shape
+    cache = m.init_cache(batch=b, max_len=t + steps, dtype=jnp.float32)
+    step = nnx.jit(lambda m, toks, cache: m(toks, kv_cache=cache))
+    logits, aux = step(m, jnp.asarray(prompt_BT), cache)
+    out = []
+    for _ in range(steps):
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+        out.append(np.asarray(nxt))
+        logits, aux = step(m, nxt, aux["kv_cache"])
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_logits_and_greedy_decoding_match_transformers(checkpoints, name):
+    path, ref = checkpoints[name]
+    cfg, m = hf.load_model(path)
+    assert cfg.model.attention_kind == "mla"
+    assert cfg.model.moe.n_group == GEOMETRIES[name]["n_group"]
+    rng = np.random.RandomState(0)
+    toks = rng.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        want = ref(torch.tensor(toks)).logits.numpy()
+    got = np.asarray(m(jnp.asarray(toks))[0])
+    np.testing.assert_allclose(got, want, atol=LOGIT_ATOL, rtol=0)
+
+    mask = np.ones((2, 12), np.int64)
+    mask[0, :4] = 0
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    with torch.no_grad():
+        want = ref(
+            torch.tensor(toks), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
+        ).logits.numpy()
+    got = np.asarray(
+        m(jnp.asarray(toks), jnp.asarray(positions, jnp.int32), segment_ids=jnp.asarray(mask))[0]
+    )
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=LOGIT_ATOL, rtol=0)
+
+    prompt = toks[:, :6]
+    with torch.no_grad():
+        want_ids = ref.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones_like(torch.tensor(prompt)),
+            max_new_tokens=20,
+            min_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+        ).numpy()[:, 6:]
+    np.testing.assert_array_equal(_greedy(m, prompt, 20), want_ids)
+
+
+@pytest.mark.parametrize("name", ["qlora_groups", "no_qlora"])
+def test_save_round_trip_is_bit_exact(checkpoints, tmp_path, name):
+    path, _ = checkpoints[name]
+    cfg, state = hf.load(path, variables=(nnx.Param, ExpertBias))
+    hf.save(cfg, state, tmp_path / "one")
+    original = load_file(str(path / "model.safetensors"))
+    one = load_file(str(tmp_path / "one" / "model.safetensors"))
+    assert sorted(one) == sorted(original)
+    for k, v in original.items():
+        assert one[k].dtype == v.dtype and one[k].tobytes() == v.tobytes(), k
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one")
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_fp8_block_quantized_weights_dequantize_on_load(checkpoints, tmp_path):
+    """A checkpoint written as DeepSeek ships it: e4m3 weights with `weight_scale_inv` per 4x4 block (the
+    test's block size; DeepSeek's is 128x128). One block is checked against a value computed by hand."""
+    path, _ = checkpoints["qlora_groups"]
+    tensors = load_file(str(path / "model.safetensors"))
+    block = 4
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("proj.weight") and w.ndim == 2:
+            o, i = w.shape
+            nb_o, nb_i = -(-o // block), -(-i // block)
+            scale = np.ones((nb_o, nb_i), np.float32)
+            for bo in range(nb_o):
+                for bi in range(nb_i):
+                    blk = w[bo * block : (bo + 1) * block, bi * block : (bi + 1) * block]
+                    scale[bo, bi] = np.abs(blk).max() / 448.0  # e4m3's largest finite value
+            q = (w / np.repeat(np.repeat(scale, block, 0), block, 1)[:o, :i]).astype(ml_dtypes.float8_e4m3fn)
+            out[name], out[name + "_scale_inv"] = q, scale
+        else:
+            out[name] = w
+    # Hand-computed block of kv_b_proj (layer 0, rows 0-3, cols 4-7): e4m3 codes times the block scale.
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    out[name][0:4, 4:8] = np.array([[1, -2, 0.5, 448]] * 4, np.float32).astype(ml_dtypes.float8_e4m3fn)
+    out[name + "_scale_inv"][0, 1] = 0.25
+    fp8_dir = tmp_path / "fp8"
+    fp8_dir.mkdir()
+    save_file(out, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    config["dtype"] = "float32"
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+
+    cfg, params = hf.load(fp8_dir)
+    kv_b = np.asarray(params["dense_layers"]["blocks"]["attn"]["kv_b"][...])  # [L, R, N, n + v]
+    # HF row r of kv_b_proj is head r // 14, channel r % 14; column c is latent c. Ours: [layer, c, head, ch].
+    got_block = kv_b[0, 4:8, 0, 0:4].T  # rows 0-3 (head 0, channels 0-3) x cols 4-7
+    np.testing.assert_array_equal(got_block, np.array([[0.25, -0.5, 0.125, 112.0]] * 4, np.float32))
+    # Every other weight: the e4m3 value times its block's scale, within e4m3's 2^-4 relative step.
+    q_b = np.asarray(params["moe_layers"]["blocks"]["attn"]["q_b"][...])  # [L, Q, N, H]
+    want = tensors["model.layers.1.self_attn.q_b_proj.weight"].T.reshape(q_b.shape[1:])
+    np.testing.assert_allclose(q_b[0], want, rtol=2**-4, atol=1e-6)
