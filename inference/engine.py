@@ -77,6 +77,11 @@ class Engine(Scheduler):
             raise ValueError(
                 f"draft model vocab_size={draft.cfg.model.vocab_size} != target vocab_size={self.vocab}."
             )
+        if cfg.model.attention_kind == "mla" and e.host_cache_pages:
+            raise ValueError(
+                "engine.host_cache_pages must be 0 with model.attention_kind='mla' (the host tier moves "
+                "k/v pages; MLA's latent pages are not wired into it yet)."
+            )
         if draft is not None and e.host_cache_pages:
             raise ValueError(
                 "engine.host_cache_pages must be 0 with a drafter (the host tier moves target pages only)."
