@@ -399,6 +399,31 @@ def test_from_config_maps_every_field_and_names_a_bad_one():
     assert from_config(rl, ["a", "b"]).weights() == {"a": 0.75, "b": 0.25}
 
 
+def test_plot_draws_the_weights_with_the_gain_bands(tmp_path):
+    from rl import metrics, plot
+
+    s = DomainScheduler(["a", "b"], warmup=3, half_life=math.inf)
+    with metrics.MetricsLogger(tmp_path, tensorboard=False, stream=None) as log:
+        for step, (ra, rb) in enumerate([(0.0, 0.5), (0.1, 0.5), (0.3, 0.5), (0.3, 0.5)]):
+            observe(s, "a", [ra], start=step)
+            observe(s, "b", [rb], start=step)
+            s.advance()
+            log.log(step, s.metrics())
+    records = metrics.read_metrics(tmp_path)
+    bands = plot.gain_bands(records)
+    # a from its third observation: y = [0, .1, .3] -> .15 +- 2 sqrt(1/1200) (test_metrics); then
+    # y = [0, .1, .3, .3]: dx = [-1.5, -.5, .5, 1.5], y mean .175, slope (.2625 + .0375 + .0625 + .1875) / 5
+    # = .11; residuals [-.01, -.02, .07, -.04], sum of squares .007 -> se^2 = .007 / 2 / 5.
+    steps, gain, lo, hi = bands["a"]
+    assert steps.tolist() == [2, 3] and gain == pytest.approx([0.15, 0.11])
+    se = np.array([math.sqrt(1 / 1200), math.sqrt(0.0007)])
+    assert lo == pytest.approx(gain - 2 * se) and hi == pytest.approx(gain + 2 * se)
+    assert bands["b"][1] == pytest.approx([0.0, 0.0], abs=1e-12)  # flat: gain 0, se 0
+    out = tmp_path / "curves.png"
+    assert plot.plot(records, out) == {"reward": 0, "eval": 0, "weight": 2}
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5_000
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The quality gate
 
