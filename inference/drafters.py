@@ -27,17 +27,45 @@ import numpy as np
 from flax import nnx
 
 import model as model_lib
+from model.moe import ExpertBias
+
+# What a model runs on in the engine: its parameters and the sigmoid routers' selection biases.
+WEIGHTS = (nnx.Param, ExpertBias)
+
+
+def split_weights(cfg: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graph definition, abstract `WEIGHTS` state) of the model `cfg` describes."""
+    abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract, WEIGHTS)
+
+
+def model_weights(name: str, given, like: nnx.State, *, keep: nnx.State | None = None) -> nnx.State:
+    """`given` (a Transformer, or a state of its `nnx.Param`s with or without its `ExpertBias`es) as the
+    state of `WEIGHTS` with the tree, shapes and dtypes of `like`. A model with a sigmoid router needs its
+    selection biases: a Param-only state takes those of `keep` (the engine's current ones), else it is
+    refused (zero biases would route differently from the checkpoint)."""
+    if isinstance(given, nnx.Module):
+        given = nnx.state(given, WEIGHTS)
+    biases = lambda state: jax.tree.leaves(nnx.filter_state(state, ExpertBias))
+    if biases(like) and not biases(given):
+        if keep is None:
+            raise ValueError(
+                f"{name}: this model has a sigmoid router, whose selection biases (ExpertBias) are not "
+                "nnx.Params; pass the module or nnx.state(model, (nnx.Param, model.moe.ExpertBias))."
+            )
+        given = nnx.merge_state(given, nnx.filter_state(keep, ExpertBias))
+    _check_params(name, given, like)
+    return given
 
 
 class ModelDrafter:
-    """A draft model: `cfg` (its own model config) and `params` (its nnx.Param state)."""
+    """A draft model: `cfg` (its own model config) and `params` (its nnx.Param state, with the selection
+    biases of a sigmoid router: see `model_weights`; or the module)."""
 
-    def __init__(self, cfg: ml_collections.ConfigDict, params: nnx.State):
+    def __init__(self, cfg: ml_collections.ConfigDict, params):
         self.cfg = cfg
-        abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
-        self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-        _check_params("draft params", params, abstract_params)
-        self.params = params
+        self.graphdef, abstract = split_weights(cfg)
+        self.params = model_weights("draft params", params, abstract)
 
 
 class NgramDrafter:

@@ -15,6 +15,9 @@ with, and `Completion.policy_versions` says which version sampled each token. `u
 
 With `EngineConfig.record_routing` every target forward also writes the experts each MoE layer chose into
 routing pages beside the K/V, and `Completion.expert_indices` carries them (`inference.routing`).
+
+The weights the engine runs on are the model's `nnx.Param`s and, with a sigmoid router, its selection biases
+(`model.moe.ExpertBias`, DeepSeek-V3's e_score_correction_bias): one state, swapped together.
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import model as model_lib
 from inference import kv_pages, routing, steps
-from inference.drafters import GroupDrafter, ModelDrafter, NgramDrafter, SampleGroup, _check_params
+from inference.drafters import (
+    GroupDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SampleGroup,
+    model_weights,
+    split_weights,
+)
 from inference.engine_config import Completion, EngineConfig
 from inference.sampling import SamplingParams, sampling_arrays
 from inference.scheduler import Scheduler, Seq, pow2
@@ -58,11 +67,8 @@ class Engine(Scheduler):
     def __init__(self, cfg, params, engine_cfg: EngineConfig | None = None, *, draft=None):
         self.cfg, self.ecfg = cfg, engine_cfg or EngineConfig()
         e = self.ecfg
-        abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
-        self._graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-        if isinstance(params, nnx.Module):
-            params = nnx.state(params, nnx.Param)
-        _check_params("params", params, abstract_params)
+        self._graphdef, abstract = split_weights(cfg)
+        params = model_weights("params", params, abstract)
         # Committed placements, so that weights from update_params (placed alike) hit the same executables.
         self.params = _committed(params)
         self._param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
@@ -235,10 +241,10 @@ class Engine(Scheduler):
 
     def update_params(self, params) -> int:
         """Swaps in new weights (same tree, shapes, dtypes: no recompile); bumps and returns the policy
-        version. The prefix cache is emptied: its K/V came from the old weights."""
-        if isinstance(params, nnx.Module):
-            params = nnx.state(params, nnx.Param)
-        _check_params("params", params, self.params)
+        version. `params` is the module or its `nnx.Param` state, with the selection biases of a sigmoid
+        router (`drafters.model_weights`); a Param-only state keeps the current biases. The prefix cache is
+        emptied: its K/V came from the old weights."""
+        params = model_weights("params", params, self.params, keep=self.params)
         with self._counting():
             # A copy: the trainer donates its params to the next step while sampling may still run.
             self.params = self._copy_params(jax.device_put(params, self._param_shardings))
@@ -255,9 +261,7 @@ class Engine(Scheduler):
             raise ValueError(
                 f"update_draft_params needs an engine built with a ModelDrafter, not {self.draft!r}."
             )
-        if isinstance(params, nnx.Module):
-            params = nnx.state(params, nnx.Param)
-        _check_params("draft params", params, self.draft_params)
+        params = model_weights("draft params", params, self.draft_params, keep=self.draft_params)
         with self._counting():
             shardings = jax.tree.map(lambda a: a.sharding, self.draft_params)
             self.draft_params = self._copy_draft_params(jax.device_put(params, shardings))

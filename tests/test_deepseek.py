@@ -1,10 +1,12 @@
 """DeepSeek-V3 / Kimi K2 architecture against `transformers`' DeepseekV3ForCausalLM: logits (also on a
 left-padded batch) and 20 greedy tokens through our KV cache (MLA's absorbed form), for geometries with
 and without the query low-rank path, one and several expert groups, one and several dense first layers,
-YaRN with DeepSeek's softmax-scale correction; bit-exact save round trips; FP8 block-quantized weights
-dequantized on load against a hand-computed block.
+YaRN with DeepSeek's softmax-scale correction; the same greedy tokens from `inference.Engine`, which carries
+the routers' selection bias beside the parameters (also through `update_params`); bit-exact save round
+trips; FP8 block-quantized weights dequantized on load against a hand-computed block.
 """
 
+import copy
 import json
 
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from inference import Engine, EngineConfig, SamplingParams
 from model import hf
 from model.moe import ExpertBias
 
@@ -157,6 +160,52 @@ def test_logits_and_greedy_decoding_match_transformers(checkpoints, name):
             pad_token_id=0,
         ).numpy()[:, 6:]
     np.testing.assert_array_equal(_greedy(m, prompt, 20), want_ids)
+
+
+def _hf_greedy_choices(net, prompt_BT, tokens_BT) -> list[list[int]]:
+    """transformers' argmax at each generated position, teacher-forced on prompt + tokens: equal to
+    `tokens` exactly when they are its greedy continuation. (Its own `generate` is not the reference here:
+    with a random selection bias its cached and full forwards can route a near-tied token differently.)"""
+    seq = np.concatenate([prompt_BT, np.asarray(tokens_BT)], axis=1)
+    with torch.no_grad():
+        logits = net(torch.tensor(seq)).logits.numpy()
+    return logits[:, prompt_BT.shape[1] - 1 : -1].argmax(-1).tolist()
+
+
+def test_engine_carries_the_selection_bias(checkpoints, tmp_path):
+    """The sigmoid router's e_score_correction_bias is model state, not an nnx.Param: the engine takes it
+    with the parameters (a Param-only state is refused) and decodes transformers' greedy tokens, keeps it
+    when `update_params` gets Params only, and switches to a new one passed with them, without compiling."""
+    path, ref = checkpoints["qlora_groups"]
+    cfg, m = hf.load_model(path)
+    ecfg = EngineConfig(
+        max_batch=2, max_seq_len=32, page_size=4, num_pages=40, prefill_chunk=8, prefill_batch=2, min_bucket=8
+    )
+    with pytest.raises(ValueError, match="sigmoid router"):
+        Engine(cfg, nnx.state(m, nnx.Param), ecfg)
+    engine = Engine(cfg, m, ecfg)
+    engine.warmup()
+    prompt = np.random.RandomState(1).randint(0, VOCAB, (2, 6))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    decode = lambda: [c.tokens for c in engine.generate(prompt.tolist(), greedy)]
+    first = decode()
+    assert first == _hf_greedy_choices(ref, prompt, first)
+
+    engine.update_params(nnx.state(m, nnx.Param))  # the same weights, no bias given: the bias stays
+    assert decode() == first
+
+    # Another bias, written into a transformers copy and a checkpoint of it, loaded with the Params.
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        for layer in other.model.layers[other.config.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(other.config.n_routed_experts))
+    other.save_pretrained(tmp_path)
+    _, state = hf.load(tmp_path, variables=(nnx.Param, ExpertBias))
+    engine.update_params(state)
+    second = decode()
+    assert second != first  # the bias changes the routing enough to change the greedy text
+    assert second == _hf_greedy_choices(other, prompt, second)
+    assert engine.stats()["compiles_after_warmup"] == 0
 
 
 @pytest.mark.parametrize("name", ["qlora_groups", "no_qlora"])

@@ -1,6 +1,6 @@
 """inference.Engine on an MLA model (DeepSeek-V3 layout, tiny): the paged latent cache (one row of
 kv_lora_rank + qk_rope_head_dim per token per layer), absorbed prefill and decode, gives the full forward's
-greedy tokens and log-probs."""
+greedy tokens and log-probs (sigmoid router with a random nonzero selection bias, carried by the engine)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,7 @@ from configs import tiny
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
 from model import mla
+from model.moe import ExpertBias
 
 ECFG = EngineConfig(
     max_batch=4, max_seq_len=64, page_size=8, num_pages=48, prefill_chunk=16, prefill_batch=2, min_bucket=16
@@ -24,9 +25,9 @@ def _mla_cfg():
     m = cfg.model
     m.num_layers, m.attention_kind, m.qk_norm = 3, "mla", False
     m.mla.update(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
-    # The softmax router: the engine keeps only nnx.Param state, so the sigmoid router's ExpertBias
-    # variable cannot go through it yet (see the issue-15 notes); MLA's cache does not depend on it.
-    m.moe.update(num_experts=8, n_group=2, topk_group=1, routed_scaling=2.5, first_dense_layers=1)
+    m.moe.update(
+        num_experts=8, n_group=2, topk_group=1, routed_scaling=2.5, first_dense_layers=1, router="sigmoid"
+    )
     return cfg
 
 
@@ -34,7 +35,10 @@ def _mla_cfg():
 def target():
     cfg = _mla_cfg()
     m = model.build(cfg, seed=1)
-    return cfg, m, nnx.state(m, nnx.Param)
+    weights = nnx.state(m, (nnx.Param, ExpertBias))
+    bias = weights["moe_layers"]["blocks"]["mlp"]["expert_bias"]
+    bias.set_value(0.05 * jax.random.normal(jax.random.key(2), bias.shape))
+    return cfg, m, weights
 
 
 def test_latent_pages_hold_one_row_per_token_per_layer(target):
