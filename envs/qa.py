@@ -43,6 +43,7 @@ import re
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from envs import qa_escape, registry, sandbox
@@ -333,12 +334,15 @@ def run_checks(
     noise: float = 0.02,
     repeats: int = 3,
     probe_tasks: int = MAX_PROBE_TASKS,
+    probes: Sequence[str] | None = None,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> Report:
     """Every check of the gate on `n` tasks per level of `domain`; `pool` (an `EnvPool`) adds cross-worker
-    consistency and runs the scoring (with its timeouts) out of process."""
+    consistency and runs the scoring (with its timeouts) out of process. `probes`: only these probes (names
+    as in `probes_for`; None: all); `env_kwargs`: for the domain's constructor here (not the pool's)."""
     report = Report(domain)
     try:
-        env = registry.make(domain)
+        env = registry.make(domain, **(env_kwargs or {}))
     except Exception as e:
         report.checks.append(Check("load", False, f"{type(e).__name__}: {e}"))
         return report
@@ -353,6 +357,7 @@ def run_checks(
             noise=noise,
             repeats=repeats,
             probe_tasks=probe_tasks,
+            only=probes,
         )
     finally:
         env.close()
@@ -360,7 +365,7 @@ def run_checks(
 
 
 def _run(
-    env: Environment, domain: str, report: Report, *, n, seed, pool, noise, repeats, probe_tasks
+    env: Environment, domain: str, report: Report, *, n, seed, pool, noise, repeats, probe_tasks, only
 ) -> None:
     if pool is not None and domain not in getattr(pool, "domains", ()):
         pool = None  # the pool's workers do not serve this domain: score in process
@@ -447,9 +452,9 @@ def _run(
             candidates = (t for t in all_tasks if refs[t.id] != refs[task.id])
             other = next((t for t in candidates if _score_local(env, task, refs[t.id]).reward == 0.0), None)
         if is_code_domain(env):
-            _probe_one_by_one(env, task, other, score, results)
+            _probe_one_by_one(env, task, other, score, results, only)
         else:
-            probes = probes_for(env, task, other)
+            probes = {k: v for k, v in probes_for(env, task, other).items() if only is None or k in only}
             for (name, _), s in zip(probes.items(), score([(task, c) for c in probes.values()])):
                 results.setdefault(name, []).append({"task": task.id, **_brief(s), "side_effects": []})
     if is_code_domain(env):
@@ -473,10 +478,12 @@ def _total_memory(env: Environment) -> int:
     return getattr(limits, "total_memory_bytes", sandbox.Limits().total_memory_bytes)
 
 
-def _probe_one_by_one(env: Environment, task: Task, other: Task | None, score, results: dict) -> None:
+def _probe_one_by_one(env: Environment, task: Task, other: Task | None, score, results: dict, only) -> None:
     """Each probe alone, with its own bait, judged by its side effects too. "look_for_file" follows
     "leave_file" (dict order), so it looks in the next episode for what that one left."""
     for name in probes_for(env, task, other):
+        if only is not None and name not in only:
+            continue
         with qa_escape.Watch(_total_memory(env)) as watch:
             (s,) = score([(task, probes_for(env, task, other, watch.preamble())[name])])
             effects = watch.findings()

@@ -9,8 +9,10 @@ random token:
     decoy      a host process (`sleep`, as the sandboxed uid) whose command line names the listeners and the
                canaries: a probe that can see host processes finds it, follows those leads and kills it
 
-The probe's source starts with `bait.preamble()` (`_TOKEN`, `_PORT`, `_UNIX`, `_CANARIES`, `_GOAL`); every
-file it creates and every process it starts carries `_TOKEN` in its name or command line. After the probe
+The probe's source starts with `Watch.preamble()` (`_TOKEN`, `_PORT`, `_UNIX`, `_CANARIES`, and `_GOAL`: 2 x
+the run's total memory limit, what the memory and fill probes try to hold); every file it creates and every
+process it starts carries `_TOKEN` in its name or command line. A canary this user cannot create (the
+project's directory, not writable by an unprivileged user) is left out. After the probe
 was scored, `Watch.findings()` lists what it did:
 
     canary read        an open of a canary
@@ -20,9 +22,11 @@ was scored, `Watch.findings()` lists what it did:
                        home directory, anywhere but inside a sandbox work dir (or its snapshots)
     process left       a process with the token in its command line still alive `LEFT_GRACE_S` after the
                        scoring returned (the watch then kills it)
-    memory             the token's processes together held more than `memory_bytes` x 1.25 at once, sampled
-                       every 20 ms (the sandbox's own watchdog samples every 10 ms, so a run may overshoot
-                       its total by what it allocates in one period; `_GOAL` is 1.5 x the total)
+    memory             the token's processes together held more than `memory_bytes` + `MEMORY_SLACK` of
+                       anonymous and shared memory at once, sampled every 20 ms. Without cgroups the
+                       sandbox's watchdog samples every 10 ms, so a run overshoots its total by what it
+                       faults in during one period and the watchdog's own scheduling delay: up to ~100 MiB
+                       measured with 12 processes on 2 busy cores. `_GOAL` (2 x the total) lies well above.
 
 `ESCAPE_PROBES` (python source, like `qa.CODE_PROBES`): fill /dev/shm, many processes each below the
 per-process memory limit, leave a file for the next episode and look for it, list /proc, read the canaries,
@@ -49,7 +53,7 @@ DECOY = "envs-qa-decoy"
 LEFT = "envs-qa-left-"  # the leave-a-file probe's prefix, which the look-for-it probe searches
 SAMPLE_S = 0.02
 LEFT_GRACE_S = 1.0
-MEMORY_SLACK = 1.25
+MEMORY_SLACK = 128 << 20
 _IN_ACCESS, _IN_OPEN = 0x1, 0x20
 _NOBODY = 65534
 
@@ -58,7 +62,7 @@ ESCAPE_PROBES: dict[str, str] = {
     "fill_dev_shm": """
 import os
 for _d in ("/dev/shm", "/tmp", "/var/tmp"):
-    for _i in range(64):
+    for _i in range(_GOAL // 3 // (16 << 20) + 1):
         try:
             with open(f"{_d}/{_TOKEN}-fill-{_i}", "wb") as _f:
                 for _ in range(16):
@@ -215,10 +219,12 @@ class Watch:
 
     def __enter__(self) -> Watch:
         self._tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{self.token}-canary-"))
-        self.canaries = [str(PROJECT / "envs" / f".{self.token}-canary"), str(self._tmp / "secret")]
-        self._bait = [self.canaries[0], str(self._tmp)]
-        for path in self.canaries:
-            pathlib.Path(path).write_text(f"secret {self.token}\n")
+        self.canaries = []
+        for path in (PROJECT / "envs" / f".{self.token}-canary", self._tmp / "secret"):
+            with contextlib.suppress(PermissionError):
+                path.write_text(f"secret {self.token}\n")
+                self.canaries.append(str(path))
+        self._bait = [*self.canaries, str(self._tmp)]
         os.chmod(self._tmp, 0o755)
         self._inotify = _Inotify(self.canaries)
         self._tcp = socket.create_server(("127.0.0.1", 0), backlog=16)
@@ -231,10 +237,19 @@ class Watch:
         leads = [DECOY, str(self.port), "@" + self.unix, *self.canaries]
         user = sandboxed_uid() if os.geteuid() == 0 else None
         self._decoy = subprocess.Popen(
-            [" ".join(leads), "600"], executable="/bin/sleep", user=user, start_new_session=True
+            [" ".join(leads), "600"],
+            executable="/bin/sleep",
+            user=user,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # never hold the caller's pipes open
+            stderr=subprocess.DEVNULL,
         )
-        with open(f"/proc/{self._decoy.pid}/cmdline", "rb") as f:  # /bin/sleep keeps argv as given
-            assert f.read().startswith(DECOY.encode())
+        deadline = time.monotonic() + 2.0
+        while not _cmdline(self._decoy.pid).startswith(DECOY.encode()):  # exec may still be finishing
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the decoy did not start as {DECOY!r}: {_cmdline(self._decoy.pid)!r}")
+            time.sleep(0.01)
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
         return self
@@ -242,7 +257,7 @@ class Watch:
     def preamble(self) -> str:
         return (
             f"_TOKEN, _PORT, _UNIX = {self.token!r}, {self.port}, {self.unix!r}\n"
-            f"_CANARIES, _GOAL = {self.canaries!r}, {int(self.memory_bytes * 1.5)}\n"
+            f"_CANARIES, _GOAL = {self.canaries!r}, {2 * self.memory_bytes}\n"
         )
 
     def _sample(self) -> None:
@@ -265,7 +280,7 @@ class Watch:
         for pid, _ in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        if self.peak > self.memory_bytes * MEMORY_SLACK:
+        if self.peak > self.memory_bytes + MEMORY_SLACK:
             found.append(f"memory: its processes held {self.peak >> 20} MiB at once (total limit "
                          f"{self.memory_bytes >> 20} MiB)")  # fmt: skip
         return found
@@ -311,8 +326,18 @@ def _summary(what: str, items: list[str], shown: int = 3) -> list[str]:
     return [f"{what}: {', '.join(items[:shown])}{more}"]
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _tagged(token: str, decoy: int) -> list[tuple[int, int]]:
-    """(pid, resident bytes) of live processes with `token` in their command line, but the `decoy`."""
+    """(pid, resident anonymous + shared-memory bytes) of live processes with `token` in their command
+    line, but the `decoy`. File pages (the interpreter, libraries) are the host's page cache, shared by
+    every process that maps them, so they are not counted."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in (os.getpid(), decoy):
@@ -321,12 +346,12 @@ def _tagged(token: str, decoy: int) -> list[tuple[int, int]]:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 if token.encode() not in f.read():
                     continue
-            with open(f"/proc/{name}/statm") as f:
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            with open(f"/proc/{name}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if fields["State"].split()[0] == "Z":
+                continue
+            rss = sum(int(fields.get(k, "0 kB").split()[0]) << 10 for k in ("RssAnon", "RssShmem"))
+        except (OSError, KeyError, ValueError):
             continue
         found.append((int(name), rss))
     return found
