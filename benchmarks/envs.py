@@ -8,10 +8,15 @@ The environment layer's speed, one JSON line per figure:
                     caller-side round trip of one call at a time, p50/p99 ms. Target: overhead p50 <= 2 ms.
     episodes        per domain, 2 workers: reference solutions scored with `score_many`, episodes per second
                     (tasks spread over every level; the pool is warmed up first).
+    load            code and terminal, 2 workers: realistic completions, a quarter each correct, wrong,
+                    looping and crashing, all submitted at once (at most 2 outstanding per worker):
+                    episodes per second, and latency from submit to result p50/p99 ms, overall and per
+                    kind. A looping completion costs what the domain's limits let it run.
 Figures whose module does not exist yet print {"skipped": reason}. Never imports JAX.
 
     python benchmarks/envs.py --calls=2000 --episodes=200
     python benchmarks/envs.py --domains=math,scene3d
+    python benchmarks/envs.py --only=sandbox_start,load --load_episodes=40
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ def sandbox_start(n: int) -> dict:
     return {
         "bench": "sandbox_start",
         "isolation": sandbox.isolation_level(),
+        "backend": sandbox.isolation().backend,
+        "resources": sandbox.isolation().resources,
         "runs": n,
         **{k: round(v, 3) for k, v in figures.items()},
         "cold_over_warm_p50": round(cold / warm, 1),
@@ -120,6 +127,69 @@ def episodes(domain: str, n: int) -> dict:
     }
 
 
+def _load_completions(env, task) -> dict[str, str]:
+    """kind -> completion: correct, wrong, looping, crashing (python for code, shell for terminal)."""
+    if env.max_turns > 1:
+        return {
+            "correct": env.reference_solution(task),
+            "wrong": "ls -la\necho 42\nsubmit",
+            "looping": "while true; do :; done\nsubmit",
+            "crashing": "python3 -c 'import os; os.abort()'\nkill -SEGV $$\nsubmit",
+        }
+    from envs import qa
+
+    functions = qa._function_names(env.reference_solution(task))
+    fenced = lambda src: f"```python\n{src}```"  # noqa: E731
+    return {
+        "correct": env.reference_solution(task),
+        "wrong": fenced(qa.code_probe_source("", "pass", functions)),
+        "looping": fenced(qa.code_probe_source("", "while True:\n    pass", functions)),
+        "crashing": fenced(qa.code_probe_source("", "import os\nos.abort()", functions)),
+    }
+
+
+def load(domain: str, n: int) -> dict:
+    from envs.pool import EnvPool
+
+    env = registry.make(domain)
+    tasks = env.sample_tasks(2, n)
+    kinds = ("correct", "wrong", "looping", "crashing")
+    items = [(kinds[i % 4], t, _load_completions(env, t)[kinds[i % 4]]) for i, t in enumerate(tasks)]
+    env.close()
+    with EnvPool(WORKERS, domains=[domain], timeout_s=60.0) as pool:
+        pool.score_many([(t, c) for _, t, c in items[:WORKERS]])  # warm-up
+        latency: dict[str, list[float]] = {k: [] for k in kinds}
+        statuses: dict[str, dict[str, int]] = {k: {} for k in kinds}
+        t0 = time.perf_counter()
+        futures = []
+        for kind, task, completion in items:
+            sent = time.perf_counter()
+            future = pool.submit("score", task, completion)
+            done = lambda f, k=kind, t=sent: latency[k].append(1e3 * (time.perf_counter() - t))  # noqa: E731
+            future.add_done_callback(done)
+            futures.append((kind, future))
+        for kind, future in futures:
+            status = future.result().status
+            statuses[kind][status] = statuses[kind].get(status, 0) + 1
+        seconds = time.perf_counter() - t0
+    every = [x for values in latency.values() for x in values]
+    return {
+        "bench": "load",
+        "domain": domain,
+        "workers": WORKERS,
+        "episodes": n,
+        "seconds": round(seconds, 3),
+        "episodes_per_s": round(n / seconds, 2),
+        "latency_p50_ms": round(_pct(every, 50), 1),
+        "latency_p99_ms": round(_pct(every, 99), 1),
+        "per_kind": {
+            k: {"p50_ms": round(_pct(v, 50), 1), "p99_ms": round(_pct(v, 99), 1), "statuses": statuses[k]}
+            for k, v in latency.items()
+            if v
+        },
+    }
+
+
 def _ready(domain: str) -> bool:
     module, cls = registry._DOMAINS[domain].split(":")
     try:
@@ -134,15 +204,23 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000, help="pool calls for the overhead figure")
     parser.add_argument("--episodes", type=int, default=100, help="episodes per domain")
     parser.add_argument("--domains", default="", help="comma-separated; default: every registered domain")
+    parser.add_argument("--load_episodes", type=int, default=40, help="episodes per domain under load")
+    parser.add_argument("--only", default="", help="comma-separated figures (default: all)")
     args = parser.parse_args()
-    _emit(sandbox_start(args.starts))
-    _emit(pool_overhead(args.calls))
+    only = set(args.only.split(",")) if args.only else {"sandbox_start", "pool_overhead", "episodes", "load"}
+    load_avg = os.getloadavg()[0]
+    if "sandbox_start" in only:
+        _emit({**sandbox_start(args.starts), "load_avg_1m": load_avg})
+    if "pool_overhead" in only:
+        _emit(pool_overhead(args.calls))
     domains = args.domains.split(",") if args.domains else [d for d in registry.names() if d != "debug"]
-    for domain in domains:
+    for domain in domains if "episodes" in only else []:
         if domain in registry.names() and not _ready(domain):
             _emit({"bench": "episodes", "domain": domain, "skipped": "domain module not written yet"})
             continue
         _emit(episodes(domain, args.episodes))
+    for domain in ("code", "terminal") if "load" in only else ():
+        _emit({**load(domain, args.load_episodes), "load_avg_1m": os.getloadavg()[0]})
 
 
 if __name__ == "__main__":

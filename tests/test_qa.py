@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from envs import qa, registry
+from envs import qa, qa_escape, registry, sandbox
 from envs.base import Score, SingleTurnEnvironment, Task
 
 REPO = __file__.rsplit("/tests/", 1)[0]
@@ -79,6 +79,13 @@ def test_gate_passes_for_real_domains(domain, pool):
     assert "probe:print_pass" in names and "probe:huge_output" in names
     if domain in qa.CODE_DOMAINS:
         assert {f"probe:{p}" for p in qa.CODE_PROBES} <= names
+        assert {f"probe:{p}" for p in qa_escape.ESCAPE_PROBES} <= names
+        assert all(
+            r["side_effects"] == []
+            for c in report.checks
+            if c.name.startswith("probe:")
+            for r in c.data["runs"]
+        )
     assert set(report.strata) == set(registry.make(domain).levels)
 
 
@@ -128,3 +135,25 @@ def test_cli_exits_nonzero_for_broken_domain(tmp_path):
         timeout=120,
     )
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_gate_fails_escapes_with_zero_reward_below_the_mount_level():
+    """The same probes through the terminal domain at unshare-net (allowed by the explicit override): every
+    reward is 0, yet the gate fails them by what they did to the host."""
+    if sandbox.rank(sandbox.isolation_level()) > sandbox.rank("unshare-net"):
+        pytest.skip("no unshare-net level here")
+    small = sandbox.Limits(memory_bytes=128 << 20, total_memory_bytes=256 << 20, cpu_s=5.0, wall_s=10.0)
+    kwargs = {"min_isolation": "unshare-net", "step_limits": small}
+    caught = ["read_canaries", "leave_file", "many_procs_memory"]
+    sandbox.configure(level="unshare-net")
+    try:
+        report = qa.run_checks(
+            "terminal", n=1, probe_tasks=1, probes=caught + ["connect_host"], env_kwargs=kwargs
+        )
+    finally:
+        sandbox.configure()
+    print(qa.format_report(report))
+    assert sorted(report.failed()) == sorted(f"probe:{p}" for p in caught)
+    for name in caught:
+        (run,) = report.check(f"probe:{name}").data["runs"]
+        assert run["reward"] == 0.0 and run["side_effects"], run
