@@ -118,6 +118,20 @@ def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax
     return bias_E + rate * jnp.sign(target - load_E)
 
 
+def update_bias_state(state: nnx.State, load_LE: jax.Array, rate: float) -> nnx.State:
+    """`update_expert_bias` on the `ExpertBias` of every layer of `moe_layers` in `state` (a model's non-Param
+    state: one stacked [L, E] bias with `scan_layers`, else L biases [E] in layer order) from the per-layer
+    expert loads [L, E]. Other biases (an MTP module's) are kept."""
+    leaves, treedef = jax.tree.flatten(state["moe_layers"])
+    if len(leaves) == 1:
+        new = [update_expert_bias(leaves[0], load_LE.reshape(leaves[0].shape), rate)]
+    else:
+        new = [update_expert_bias(b, load_LE[i], rate) for i, b in enumerate(leaves)]
+    out = nnx.State(dict(state))
+    out["moe_layers"] = jax.tree.unflatten(treedef, new)
+    return out
+
+
 def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * top_k / num_experts))
 

@@ -135,7 +135,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 )
                 ckpt.wait()
                 return {"steps": 0, "preempted": True}
-            model_def, state = train_step.init_state(cfg, seed=rl.seed, params=state.params)
+            model_def, state = train_step.init_state(
+                cfg, seed=rl.seed, params=state.params, model_state=state.model_state
+            )
             if ref_params is not None:
                 ref_params = _reference(state.params, rl.reference_dtype)
             ckpt.save(0, _pack(state, ref_params, draft_state), source.state(0, 0), force=True)
@@ -147,7 +149,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         from inference import Engine
 
         engine_cfg = validate.engine_config(cfg)
-        engine = Engine(cfg, state.params, engine_cfg, draft=_drafter(rl.engine, draft_cfg, draft_state))
+        engine = Engine(
+            cfg, train_step.weights(state), engine_cfg, draft=_drafter(rl.engine, draft_cfg, draft_state)
+        )
         engine.version = version
         engine.warmup()
         update = train_step.make_grpo_update(cfg, model_def)
@@ -237,13 +241,13 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 else:
                     state, update_metrics = update(state, item.batch, ref_params=ref_params)
                     step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
-                    engine.update_params(state.params)
+                    engine.update_params(train_step.weights(state))  # with the selection biases
                     if distill is not None:
                         draft_batch = {k: item.batch[k] for k in train_step.SFT_KEYS}
                         for _ in range(rl.draft_train_steps):
                             draft_state, dm = distill(draft_state, draft_batch)
                         step_metrics["draft/cross_entropy"] = float(dm["cross_entropy"])
-                        engine.update_draft_params(draft_state.params)
+                        engine.update_draft_params(train_step.weights(draft_state))
                 step_metrics["pipeline/train_s"] = time.perf_counter() - t0
                 step += 1
                 step_metrics.update(item.metrics)
@@ -478,6 +482,7 @@ def unpack(tree):
 
 def _drafter(engine_cfg, draft_cfg, draft_state):
     from inference import GroupDrafter, ModelDrafter, NgramDrafter
+    from rl import train_step
 
     kind = engine_cfg.draft
     if kind == "ngram":
@@ -485,7 +490,7 @@ def _drafter(engine_cfg, draft_cfg, draft_state):
     if kind == "group":
         return GroupDrafter(engine_cfg.draft_ngram)
     if kind == "model":
-        return ModelDrafter(draft_cfg, draft_state.params)
+        return ModelDrafter(draft_cfg, train_step.weights(draft_state))
     return None
 
 

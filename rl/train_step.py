@@ -31,6 +31,11 @@ micro-batch's share of the aggregation's units (trained tokens for "token-mean",
 "seq-mean-token-mean", rows otherwise). Each loss is a mean over its units, so the sum is exactly the
 full-batch loss and gradient. The MoE load-balance loss is a product of batch means and is the one term that
 is only averaged, not exact, under accumulation.
+
+Aux-loss-free balancing (sigmoid routers, `model.moe.bias_update_rate` > 0): every optimizer step moves each
+MoE layer's selection bias (`TrainState.model_state`, not a gradient-trained parameter) by
+`model.moe.update_expert_bias` from that layer's expert loads over the step's batch (the mean over
+micro-batches). The forward of a step routes with the bias as it was before the step.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from configs import schema
 from configs.schema import Float, Int
 from model import seeds, sharding
+from model.moe import update_bias_state
 from model.transformer import Transformer, build, next_token_loss
 from rl import grpo
 
@@ -73,6 +79,14 @@ class TrainState:
     opt_state: optax.OptState
     step: jax.Array  # int32 scalar: updates applied so far
     rng: jax.Array  # typed key; `fold_in(rng, step)` is the key of a step that needs randomness
+    # The model's non-Param variables, changed by the step outside the gradient: the sigmoid routers'
+    # selection biases (`model.moe.ExpertBias`). Empty for softmax routers and dense models.
+    model_state: nnx.State = struct.field(default_factory=lambda: nnx.State({}))
+
+
+def weights(state: TrainState) -> nnx.State:
+    """What the sampler runs on: the params with the selection biases (`inference.Engine.update_params`)."""
+    return nnx.merge_state(state.params, state.model_state)
 
 
 class ModelDef(NamedTuple):
@@ -81,8 +95,9 @@ class ModelDef(NamedTuple):
     graphdef: nnx.GraphDef
     rest: nnx.State
 
-    def merge(self, params: nnx.State) -> Transformer:
-        return nnx.merge(self.graphdef, params, self.rest)
+    def merge(self, params: nnx.State, rest: nnx.State | None = None) -> Transformer:
+        """The model with `params` and `rest` (the current non-Param state; default: the one kept here)."""
+        return nnx.merge(self.graphdef, params, self.rest if rest is None else rest)
 
 
 def _as_model_def(graphdef: ModelDef | nnx.GraphDef) -> ModelDef:
@@ -167,8 +182,10 @@ def init_state(
     mesh: jax.sharding.Mesh | None = None,
     seed: int = 0,
     params: nnx.State | None = None,
+    model_state: nnx.State | None = None,
 ) -> tuple[ModelDef, TrainState]:
-    """Builds the model (or takes `params`) and the optimizer state, sharded like the params on `mesh`."""
+    """Builds the model (or takes `params`, and `model_state`: its non-Param variables, e.g. trained
+    selection biases) and the optimizer state, sharded like the params on `mesh`."""
     make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seeds.key(seed)))
     if params is None:
         graphdef, params, rest = nnx.split(build(cfg, seed=seed, mesh=mesh), nnx.Param, ...)
@@ -176,10 +193,12 @@ def init_state(
         graphdef, _, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
         if jax.tree.leaves(rest):  # e.g. a sigmoid router's selection bias: its initial value
             rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
+    if model_state is not None:
+        rest = model_state
     optimizer = make_optimizer(cfg.rl.optim)
     step, rng = jnp.zeros((), jnp.int32), seeds.key(seed)
     if mesh is None:
-        return ModelDef(graphdef, rest), TrainState(params, optimizer.init(params), step, rng)
+        return ModelDef(graphdef, rest), TrainState(params, optimizer.init(params), step, rng, rest)
     rules = cfg.mesh.rules
     with jax.set_mesh(mesh):
         params = jax.device_put(params, _tree_shardings(params, mesh, rules))
@@ -187,13 +206,14 @@ def init_state(
         opt_shardings = _tree_shardings(jax.eval_shape(optimizer.init, params), mesh, rules)
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         step, rng = jax.device_put((step, rng), NamedSharding(mesh, PartitionSpec()))
-    return ModelDef(graphdef, rest), TrainState(params, opt_state, step, rng)
+    return ModelDef(graphdef, rest), TrainState(params, opt_state, step, rng, rest)
 
 
 def _abstract_state(cfg, optimizer) -> TrainState:
-    params = jax.eval_shape(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=0)), nnx.Param))
-    step = jax.ShapeDtypeStruct((), jnp.int32)
-    return TrainState(params, jax.eval_shape(optimizer.init, params), step, jax.eval_shape(jax.random.key, 0))
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    step, key = jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(jax.random.key, 0)
+    return TrainState(params, jax.eval_shape(optimizer.init, params), step, key, rest)
 
 
 # --- Forward and losses -------------------------------------------------------------------------------------
@@ -207,13 +227,22 @@ def _require_replay(batch: Batch) -> None:
         )
 
 
-def policy_forward(cfg, graphdef, params: nnx.State, batch: Batch, *, replay: bool | None = None):
-    """The training forward: logits_BTV and aux, replaying the sampler's routing when rl.routing_replay."""
+def policy_forward(
+    cfg,
+    graphdef,
+    params: nnx.State,
+    batch: Batch,
+    *,
+    replay: bool | None = None,
+    rest: nnx.State | None = None,
+):
+    """The training forward: logits_BTV and aux, replaying the sampler's routing when rl.routing_replay.
+    `rest`: the model's non-Param state (selection biases); default: the graph definition's."""
     expert_indices = None
     if cfg.rl.routing_replay if replay is None else replay:
         _require_replay(batch)
         expert_indices = batch["expert_indices"]
-    model = _as_model_def(graphdef).merge(params)
+    model = _as_model_def(graphdef).merge(params, rest)
     return model(batch["tokens_BT"], batch["positions_BT"], expert_indices=expert_indices)
 
 
@@ -235,25 +264,27 @@ def _token_logprobs(cfg, logits_BTV: jax.Array, tokens_BT: jax.Array, *, process
 def make_logprobs(
     cfg: ml_collections.ConfigDict, graphdef, *, replay: bool | None = None, processed: bool = True
 ):
-    """Jitted `fn(params, batch) -> logp_BT` (teacher-forced, under the sampler's processing), for the
-    proximal and reference log-probs. `replay` defaults to rl.routing_replay; the reference passes False
-    (it is another model: it routes its own way) and `processed=False` (the KL is between the models'
-    unfiltered distributions)."""
+    """Jitted `fn(params, batch, rest=None) -> logp_BT` (teacher-forced, under the sampler's processing),
+    for the proximal and reference log-probs; `rest` is the model's current non-Param state (default: the
+    graph definition's). `replay` defaults to rl.routing_replay; the reference passes False (it is another
+    model: it routes its own way) and `processed=False` (the KL is between the models' unfiltered
+    distributions)."""
 
-    def fn(params, batch):
-        logits_BTV, _ = policy_forward(cfg, graphdef, params, batch, replay=replay)
+    def fn(params, batch, rest):
+        logits_BTV, _ = policy_forward(cfg, graphdef, params, batch, replay=replay, rest=rest)
         return _token_logprobs(cfg, logits_BTV, batch["tokens_BT"], processed=processed)
 
     jitted = jax.jit(fn)
     keys = ("tokens_BT", "positions_BT") + (
         ("expert_indices",) if (cfg.rl.routing_replay if replay is None else replay) else ()
     )
-    return lambda params, batch: jitted(params, _select(batch, keys))
+    return lambda params, batch, rest=None: jitted(params, _select(batch, keys), rest)
 
 
 def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
     """`w * GRPO loss + moe_loss / M` of one micro-batch, and its metrics (means weighted by w; extremes,
-    `*_max` / `*_min`, unweighted: the step takes their max / min over micro-batches)."""
+    `*_max` / `*_min`, unweighted: the step takes their max / min over micro-batches; `expert_load`, for
+    the bias update, is popped by the step)."""
     logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
     logp_BT = _token_logprobs(cfg, logits_BTV, mb["tokens_BT"])
     # One update per batch: the proximal policy is the current one (ratio 1, value and all).
@@ -278,7 +309,12 @@ def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
     moe = aux["moe_loss"] / num_micro
     metrics.update(moe_loss=moe, advantage_mean=jnp.mean(mb["advantages_B"]) / num_micro)
     metrics["loss"] = w * loss + moe
-    return metrics["loss"], metrics
+    return metrics["loss"], _with_load(metrics, aux)
+
+
+def _with_load(metrics: dict, aux: dict) -> dict:
+    """metrics plus the per-layer expert loads [L_moe, E] (an MoE model's), for the selection-bias update."""
+    return dict(metrics, expert_load=aux["expert_load"]) if "expert_load" in aux else metrics
 
 
 def _is_extreme(name: str) -> bool:
@@ -290,7 +326,7 @@ def _sft_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
     logits_BTV, aux = _as_model_def(graphdef).merge(params)(mb["tokens_BT"], mb["positions_BT"])
     ce = w * next_token_loss(logits_BTV, mb["tokens_BT"], mb["mask_BT"])
     moe = aux["moe_loss"] / num_micro
-    return ce + moe, {"loss": ce + moe, "cross_entropy": ce, "moe_loss": moe}
+    return ce + moe, _with_load({"loss": ce + moe, "cross_entropy": ce, "moe_loss": moe}, aux)
 
 
 def _units_M(aggregation: str, mask_MBT: jax.Array) -> jax.Array:
@@ -320,8 +356,10 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
         raise ValueError(f"rl.micro_batches={num_micro} must be >= 1")
     rules = tuple(cfg.mesh.rules)
     optimizer, schedule = make_optimizer(cfg.rl.optim), make_schedule(cfg.rl.optim)
+    bias_rate = float(cfg.model.moe.bias_update_rate)
 
     def step(state: TrainState, batch: Batch):
+        model_def = _as_model_def(graphdef)._replace(rest=state.model_state)
         rows = batch["tokens_BT"].shape[0]
         if rows % num_micro:
             raise ValueError(f"rl.micro_batches={num_micro} does not divide the batch of {rows} rows")
@@ -333,22 +371,27 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
         def body(grads, xs):
             mb, w = xs
             mb = {k: sharding.constrain(v, BATCH_AXES[k], rules) for k, v in mb.items()}
-            grad_fn = jax.grad(lambda p: loss_fn(cfg, graphdef, p, mb, w, num_micro), has_aux=True)
+            grad_fn = jax.grad(lambda p: loss_fn(cfg, model_def, p, mb, w, num_micro), has_aux=True)
             g, metrics = grad_fn(state.params)
             return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), metrics
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         grads, metrics_M = jax.lax.scan(body, zeros, (micro, w_M))
+        load_MLE = metrics_M.pop("expert_load", None)
         metrics = {k: _reduce_micro(k, v) for k, v in metrics_M.items()}
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        model_state = state.model_state
+        if bias_rate > 0 and load_MLE is not None and jax.tree.leaves(model_state):
+            model_state = update_bias_state(model_state, jnp.mean(load_MLE, axis=0), bias_rate)
         metrics.update(
             grad_norm=optax.tree.norm(grads),
             lr=schedule(state.step),
             tokens=batch["mask_BT"].astype(jnp.float32).sum(),
             step=state.step,
         )
-        return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+        new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, model_state=model_state)
+        return new, metrics
 
     if mesh is None:
         jitted = jax.jit(step, donate_argnums=0)
@@ -438,7 +481,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
                 raise ValueError(f"rl.loss.kl_kind={rl.loss.kl_kind!r} needs the reference parameters")
             batch["ref_logp_BT"] = np.asarray(ref_fn(ref_params, batch))
         if epochs * minis > 1:
-            batch["proximal_logp_BT"] = np.asarray(proximal_fn(state.params, batch))
+            batch["proximal_logp_BT"] = np.asarray(proximal_fn(state.params, batch, state.model_state))
         rows = batch["tokens_BT"].shape[0]
         if rows % minis:
             raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
