@@ -118,6 +118,11 @@ MODEL = {
     "moe.load_balance_weight": Float(0.01, "weight of the load-balancing auxiliary loss", lo=0),
     "moe.z_loss_weight": Float(1e-3, "weight of the router z-loss", lo=0),
     "moe.bias_update_rate": Float(1e-3, "aux-loss-free balancing: step size of the selection bias", lo=0),
+    "mtp_layers": Int(
+        0,
+        "multi-token-prediction modules after the last layer (DeepSeek-V3: 1; HF num_nextn_predict_layers)",
+        lo=0,
+    ),
     "scan_layers": Bool(True, "one scanned block per layer kind (fast compiles)"),
     "remat": Choice(
         "none", "activation recomputation in the backward pass", ("none", "full", "dots_saveable")

@@ -80,7 +80,14 @@ _TABLE = {
     ("embed", "embedding"): _Entry("model.embed_tokens.weight", "same"),
     ("unembed",): _Entry("lm_head.weight", "linear"),
     ("final_norm", "scale"): _Entry("model.norm.weight", "flat"),
+    # Multi-token-prediction modules (model.mtp): decoder layers after the last one, with these extras.
+    ("mtp", "enorm", "scale"): _Entry(_LAYER + "enorm.weight", "flat"),
+    ("mtp", "hnorm", "scale"): _Entry(_LAYER + "hnorm.weight", "flat"),
+    ("mtp", "eh_proj"): _Entry(_LAYER + "eh_proj.weight", "linear"),
+    ("mtp", "norm", "scale"): _Entry(_LAYER + "shared_head.norm.weight", "flat"),
 }
+# Copies of the shared embedding and output matrix that DeepSeek-V3 stores in each MTP layer.
+_MTP_COPIES = {"embed_tokens.weight": ("embed", "embedding"), "shared_head.head.weight": ("unembed",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +134,18 @@ def _describe(params_state: nnx.State, cfg: ml_collections.ConfigDict) -> list[_
     for path, var in nnx.to_flat_state(params_state):
         value = sharding.variable_value(var)
         shape, dtype = tuple(value.shape), np.dtype(value.dtype)
-        if path[0] not in ("dense_layers", "moe_layers"):
+        if path[0] == "mtp":  # module i is HF layer num_layers + i; its block is a decoder layer
+            layer_ids, stacked, rest = (m.num_layers + path[1],), False, path[2:]
+            if rest[0] != "block":
+                entry, experts = _TABLE.get(("mtp",) + rest), 0
+            else:
+                key = rest[1:]
+                if key[0] == "mlp":
+                    key = ("moe" if m.moe.num_experts else "dense",) + key[1:]
+                entry = _TABLE.get(key)
+                per_expert = key[0] == "moe" and key[1] in ("gate", "up", "down")
+                experts = m.moe.num_experts if per_expert else 0
+        elif path[0] not in ("dense_layers", "moe_layers"):
             entry, layer_ids, stacked, experts = _TABLE.get(path), (None,), False, 0
         else:
             is_moe = path[0] == "moe_layers"
@@ -366,6 +384,10 @@ def _release_freed_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _mtp_copy(cfg, k: int, name: str) -> str:
+    return _LAYER.format(layer=cfg.model.num_layers + k) + name
+
+
 def read_config(directory) -> ml_collections.ConfigDict:
     """Our config for the checkpoint in `directory` (its config.json)."""
     path = pathlib.Path(directory) / "config.json"
@@ -404,11 +426,13 @@ def load(
     hf = cfg.hf.config.to_dict()
     block = (hf.get("quantization_config") or {}).get("weight_block_size")
     ckpt = _Checkpoint(directory, None if block is None else tuple(block))
-    mtp = range(cfg.model.num_layers, cfg.model.num_layers + hf_config.mtp_layers(hf))
+    first_unused = cfg.model.num_layers + cfg.model.mtp_layers  # MTP modules past model.mtp_layers
+    mtp = range(first_unused, cfg.model.num_layers + hf_config.mtp_layers(hf))
     # Tensors of variables this call does not read (the expert biases, for a Param-only load) are known.
     _, everything, _ = _abstract(cfg, (nnx.Param, ExpertBias))
     read = {p.path for p in params}
     not_read = [n for p in _describe(everything, cfg) if p.path not in read for _, n in _elements(p, names)]
+    not_read += [_mtp_copy(cfg, k, name) for k in range(cfg.model.mtp_layers) for name in _MTP_COPIES]
     try:
         _check(ckpt, params, names, bool(cfg.model.tie_embeddings), mtp, not_read)
         if mesh is None:
@@ -459,6 +483,9 @@ def save(
         dt = p.dtype if p.entry.name.endswith("e_score_correction_bias") else out_dtype  # f32 in HF too
         for lead, name in _elements(p, names):
             writer.add(name, _to_hf(host[lead], p).astype(dt))
+        copies = [n for n, ours in _MTP_COPIES.items() if ours == p.path]  # MTP layers' shared copies
+        for k in range(cfg.model.mtp_layers) if copies else ():
+            writer.add(_mtp_copy(cfg, k, copies[0]), _to_hf(host, p).astype(dt))
         del host
     writer.finish()
     (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))

@@ -169,6 +169,7 @@ def _deepseek_v3(hf: dict, m: ml_collections.ConfigDict) -> None:
     e.n_group = int(hf.get("n_group") or 1)
     e.topk_group = int(hf.get("topk_group") or 1)
     e.first_dense_layers = int(hf.get("first_k_dense_replace") or 0)
+    m.mtp_layers = mtp_layers(hf)
 
 
 def mtp_layers(hf: dict) -> int:
@@ -267,7 +268,7 @@ def _deepseek_v3_to_hf(m: ml_collections.ConfigDict, hf: dict) -> None:
         topk_group=e.topk_group,
         first_k_dense_replace=e.first_dense_layers,
         attention_bias=False,
-        num_nextn_predict_layers=0,  # MTP modules are not part of our model (yet): none are written
+        num_nextn_predict_layers=m.mtp_layers,
     )
     hf.pop("num_mtp_layers", None)
     hf.pop("quantization_config", None)  # we write the configured dtype, never FP8

@@ -23,6 +23,7 @@ from model import layers, seeds, sharding
 from model.attention import Attention
 from model.mla import MLAttention, cache_width
 from model.moe import MoEBlock
+from model.mtp import MTPModule, shifted
 
 ACT = ("act_batch", "act_length", "act_embed")
 REMAT_POLICIES = {
@@ -152,7 +153,8 @@ class Transformer(nnx.Module):
     """`__call__(tokens_BT, positions_BT, *, segment_ids=None, kv_cache=None, expert_indices=None)`
     returns `(logits_BTV in f32, aux)`. `aux` holds the MoE losses (`moe_loss` is the weighted sum to
     add to a training loss), per-layer expert load, dropped tokens, the chosen experts
-    (`expert_indices [L_moe, B, T, k]`, to replay routing), and `kv_cache` when one was passed.
+    (`expert_indices [L_moe, B, T, k]`, to replay routing), the last hidden state before the final norm
+    (`hidden`, what multi-token prediction reads: `mtp_logits`), and `kv_cache` when one was passed.
     """
 
     def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
@@ -175,6 +177,11 @@ class Transformer(nnx.Module):
             else None
         )
         self.final_norm = layers.RMSNorm(m.d_model, eps=m.norm_eps, dtype=m.param_dtype)
+        if m.mtp_layers:  # after the last layer, so MoE whenever the model has experts
+            rngs_k = [nnx.Rngs(params=jax.random.fold_in(key, 2 + k)) for k in range(m.mtp_layers)]
+            self.mtp = nnx.List(
+                [MTPModule(cfg, Block(cfg, use_moe=bool(m.moe.num_experts), rngs=r), rngs=r) for r in rngs_k]
+            )
         if not m.tie_embeddings:
             self.unembed = layers.param(
                 rngs,
@@ -258,6 +265,7 @@ class Transformer(nnx.Module):
             )
         logits_BTV = self._logits(x_BTD)
         aux = summarize_aux(moe_aux, m.moe)
+        aux["hidden"] = x_BTD
         if kv_cache is not None:
             aux["kv_cache"] = {
                 "dense": _strip_index(new_cache.get("dense")),
@@ -266,8 +274,10 @@ class Transformer(nnx.Module):
             }
         return logits_BTV, aux
 
-    def _logits(self, x_BTD: jax.Array) -> jax.Array:
-        x_BTD = self.final_norm(x_BTD)
+    def _logits(self, x_BTD: jax.Array, *, normed: bool = False) -> jax.Array:
+        """Output logits of a hidden state (after `final_norm`, unless `normed` says it was normed)."""
+        if not normed:
+            x_BTD = self.final_norm(x_BTD)
         if self.cfg.model.tie_embeddings:
             logits_BTV = self.embed.attend(x_BTD)
         else:
@@ -295,7 +305,28 @@ class Transformer(nnx.Module):
             x_BTD, moe_aux, cache = self.moe_layers(x_BTD, positions_BT, None, cache, expert_indices)
         aux = summarize_aux(moe_aux, self.cfg.model.moe)
         aux["kv_cache"] = {k: cache[k] for k in page_keys(cache)}
+        aux["hidden"] = x_BTD
         return self._logits(x_BTD), aux
+
+    def mtp_logits(
+        self,
+        hidden_BTD: jax.Array,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        *,
+        segment_ids=None,
+    ) -> jax.Array:
+        """logits_DBTV of the `model.mtp_layers` multi-token-prediction modules (`model.mtp`): module k at
+        position i predicts token i + k + 1 from `hidden` (aux["hidden"] of the forward over `tokens`)."""
+        b, t = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+        out, h_BTD = [], hidden_BTD
+        for k, module in enumerate(self.mtp, start=1):
+            emb_BTD = self.embed(shifted(tokens_BT, k))
+            h_BTD, _, _ = module(h_BTD, emb_BTD, positions_BT, segment_ids)
+            out.append(self._logits(module.norm(h_BTD), normed=True))
+        return jnp.stack(out)
 
 
 def _strip_index(c):
