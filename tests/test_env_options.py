@@ -44,7 +44,7 @@ def test_unknown_keyword_names_domain_and_accepted_ones():
         registry.check_kwargs("code", {"rewrd": "fraction"})
     assert str(e.value) == (
         "rl.env.code.rewrd: unknown keyword for domain 'code'; "
-        "accepted: ['limits', 'max_test_timeouts', 'python', 'reward', 'test_timeout_s']"
+        "accepted: ['limits', 'max_test_timeouts', 'min_isolation', 'python', 'reward', 'test_timeout_s']"
     )
     with pytest.raises(ValueError, match=r"rl.env.math.tfds_split: unknown keyword .*'test_jsonl'"):
         registry.check_kwargs("math", {"tfds_split": "test"})  # gone: tfds_name serves train and test
