@@ -1,7 +1,8 @@
-"""python -m configs.schema   (prints the README's field list)
+"""python -m configs.schema [--write README.md]   (prints / rewrites the README's field list)
 
 Each config field's type and allowed values, next to its default and its comment, in one table per block:
-`configs/base.py` (`MODEL`), `rl/grpo.py` (`LOSS`), `configs/grpo.py` (`RL`). A table maps a dotted name to a
+`configs/base.py` (`MODEL`), `configs/grpo.py` (`RL`, which takes `rl.loss` from `rl.grpo.LOSS` and
+`rl.optim` from `rl.train_step.OPTIM`). A table maps a dotted name to a
 `Field`; `build(table)` gives the block's ConfigDict of defaults, `check(node, table, prefix)` raises a
 `ConfigError` naming the first field of the wrong type, out of range, or unknown (a typo in a config file),
 and `markdown()` writes the field list. Rules that tie fields together (a divisor of the batch, a domain
@@ -53,7 +54,7 @@ class Field:
             return "distinct names from " + ", ".join(repr(c) for c in self.allowed())
         if self.kind == "block":
             if self.of is not None:
-                return "overrides of fields named above"
+                return "partial block of those fields"
             return f"mapping to {self.value.describe()}" if self.value else "mapping"
         return self.kind
 
@@ -215,18 +216,44 @@ def _leaves(node, table, parent: str = ""):
 
 
 def markdown() -> str:
-    """The README's field list: one row per field of MODEL, LOSS and RL (type, default, what it does)."""
-    from configs import base
-    from configs import grpo as grpo_config
-    from rl import grpo
+    """The README's field list: one row per field of `configs.base.MODEL` and `configs.grpo.RL`."""
+    from configs import base, grpo
 
     rows = ["| field | allowed | default | what it does |", "|---|---|---|---|"]
-    for prefix, table in (("model", base.MODEL), ("rl.loss", grpo.LOSS), ("rl", grpo_config.RL)):
+    for prefix, table in (("model", base.MODEL), ("rl", grpo.RL)):
         for name, f in table.items():
-            default = "" if f.kind == "block" and not f.default else f"`{f.default!r}`"
+            default = "" if f.kind == "block" and not f.default else f"`{_default(f.default)}`"
             rows.append(f"| `{prefix}.{name}` | {f.describe()} | {default} | {f.doc} |")
     return "\n".join(rows) + "\n"
 
 
+def _default(value, prefix: str = "") -> str:
+    if isinstance(value, dict):
+        return ", ".join(_default(v, f"{prefix}{k}.") for k, v in value.items()) or "{}"
+    return f"{prefix[:-1]}={value!r}" if prefix else repr(value)
+
+
+BEGIN, END = "<!-- fields:begin (python -m configs.schema --write README.md) -->", "<!-- fields:end -->"
+
+
+def write(path: str) -> None:
+    """Replaces the field list between the BEGIN and END markers of `path` (the README)."""
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(path, "w") as f:
+        f.write(f"{head}{BEGIN}\n{markdown()}{END}{tail}")
+
+
 if __name__ == "__main__":
-    print(markdown(), end="")
+    import sys
+
+    if sys.argv[1:2] == ["--write"] and len(sys.argv) == 3:
+        write(sys.argv[2])
+    elif len(sys.argv) == 1:
+        print(markdown(), end="")
+    else:
+        raise SystemExit("usage: python -m configs.schema [--write README.md]")

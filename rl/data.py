@@ -219,6 +219,37 @@ def fits_prompt(task: Task, tokenizer: Any, cfg: Any) -> bool:
     return len(rollout.format_prompt(task, tokenizer, chat=cfg.rl.chat)) <= cfg.rl.max_prompt_len
 
 
+PROBE_TASKS = 16  # tasks per domain and level drawn at start to check that prompts fit
+
+
+def check_domains(cfg: Any, tokenizer: Any) -> None:
+    """Before any work: every level in rl.levels exists in its domain, and some prompts of every domain fit
+    rl.max_prompt_len (formatted as the sampler sees them, rl.chat included). Raises ConfigError naming the
+    field; a budget that fits none would otherwise fail at the first GRPO step, after the warm start."""
+    from configs.schema import ConfigError
+    from rl import rollout
+
+    rl = cfg.rl
+    kwargs = env_kwargs(cfg)
+    for d in rl.domains:
+        env = registry.make(d, **kwargs[d])
+        levels = domain_levels(cfg, d)
+        bad = [lv for lv in levels or () if lv not in env.levels]
+        if bad:
+            raise ConfigError(f"rl.levels.{d}={levels} names levels {bad}; {d} has {tuple(env.levels)}")
+        lengths = [
+            len(rollout.format_prompt(t, tokenizer, chat=rl.chat))
+            for lv in levels or env.levels
+            for t in env.sample_tasks(seed=_hash64("probe", d, rl.seed) % 2**31, n=PROBE_TASKS, difficulty=lv)
+        ]
+        if min(lengths) > rl.max_prompt_len:
+            chat = " with the chat template (rl.chat=True)" if rl.chat else ""
+            raise ConfigError(
+                f"rl.max_prompt_len={rl.max_prompt_len} is shorter than every prompt of {d} drawn at start "
+                f"({min(lengths)} to {max(lengths)} tokens{chat}); raise it to at least {max(lengths)}"
+            )
+
+
 def heldout_tasks(cfg: Any, tokenizer: Any) -> dict[str, list[Task]]:
     """The held-out tasks of a run, shared by the trainer's evaluation and `python -m rl.evaluate`: per
     domain of cfg.rl.domains, the first cfg.rl.eval.n_tasks distinct tasks (by id) of the domain's eval

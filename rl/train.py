@@ -3,8 +3,9 @@
 The main job: GRPO post-training over task domains, one step as in ../DESIGN.md ("One GRPO step, as data").
 `train(cfg, workdir)` reads top to bottom in the order a run happens:
 
-1. Config, workdir, console: `rl.validate.validate` checks every field first (under a second, before any
-   process or array exists); library logs go to `<workdir>/log.txt`.
+1. Config, workdir, console: `rl.validate.validate` checks every field first, then `rl.data.check_domains`
+   draws a few tasks of every domain (levels exist, some prompts fit rl.max_prompt_len): a second or so,
+   before any process or array exists or the workdir is written; library logs go to `<workdir>/log.txt`.
 2. Environments: the quality gate, the worker pool (started before JAX touches a device), the task streams
    and the curriculum.
 3. Train state: restored from `<workdir>/checkpoints` when one exists, else built and warm-started by SFT
@@ -59,6 +60,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     # ---- Config, workdir, console -----------------------------------------------------------------------
     validate.validate(cfg)
     rl = cfg.rl
+    tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
+    data.check_domains(cfg, tokenizer)  # levels exist, prompts fit: refused now, not after the warm start
     with cfg.unlocked():  # derived sizes follow the rl fields (command-line overrides change those)
         cfg.batch_size = rl.prompts_per_step * rl.group_size
         cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
@@ -78,7 +81,6 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     handle = checkpoint.install_preemption_handler(phase.on_signal)
     logger = ckpt = None
     try:
-        tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
         levels = lambda d: tuple(rl.levels[d]) if d in rl.levels else None
         streams = data.TaskMixer(
             {

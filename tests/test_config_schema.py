@@ -210,11 +210,20 @@ def test_main_job_refuses_before_any_work(tmp_path):
     workdir = tmp_path / "run"
     workdir.mkdir()
     (workdir / "metrics.jsonl").write_text('{"step": 1}\n')
-    for path, value in (("rl.seed", -1), ("rl.loss.kl_kind", "k2"), ("rl.engine.draft", "eagle")):
+    cases = [
+        ("rl.seed", -1, "rl.seed"),
+        ("rl.loss.kl_kind", "k2", "rl.loss.kl_kind"),
+        ("rl.engine.draft", "eagle", "rl.engine.draft"),
+        # Found by the property test below: the chat template makes every debug prompt longer than 24 tokens;
+        # this failed at the first GRPO step, after the warm start and the first evaluation.
+        ("rl.chat", True, "rl.max_prompt_len=24 is shorter than every prompt of debug"),
+        ("rl.levels", {"debug": (0, 3)}, "rl.levels.debug=(0, 3) names levels [3]"),
+    ]
+    for path, value, message in cases:
         cfg = _test_cfg()
         _set(cfg, path, value)
         start = time.perf_counter()
-        with pytest.raises(ConfigError, match=re.escape(path)):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             train.train(cfg, str(workdir))
         assert time.perf_counter() - start < 5.0
         assert sorted(os.listdir(workdir)) == ["metrics.jsonl"]
@@ -259,7 +268,17 @@ def valid_overrides(draw):
         "loss.kl_coef": draw(st.sampled_from([0.0, 0.05])),
         "loss.correction": draw(st.sampled_from(grpo.RL["loss.correction"].allowed())),
         "reference_dtype": draw(st.sampled_from(grpo.RL["reference_dtype"].allowed())),
-        "engine.draft": draw(st.sampled_from(["none", "ngram", "group"])),
+        "engine.draft": draw(st.sampled_from(grpo.RL["engine.draft"].allowed())),
+        "engine.page_size": draw(st.sampled_from([4, 16])),
+        "engine.scheduler": draw(st.sampled_from(grpo.RL["engine.scheduler"].allowed())),
+        "engine.cache_dtype": draw(st.sampled_from(grpo.RL["engine.cache_dtype"].allowed())),
+        "domains": draw(st.sampled_from([("debug",), ("arith",), ("arith", "debug")])),
+        "curriculum": draw(st.sampled_from(grpo.RL["curriculum"].allowed())),
+        "chat": (chat := draw(st.booleans())),
+        # The byte tokenizer's chat template adds ~18 tokens (debug: 15 -> 33); the start-up check refuses
+        # a budget no prompt fits (tested above), so valid configs give the template room.
+        "max_prompt_len": 40 if chat else 24,
+        "env_workers": draw(st.integers(1, 2)),
         "sft.steps": draw(st.sampled_from([0, 6])),
     }
 
@@ -285,10 +304,14 @@ def _run_cfg(overrides: dict):
     return cfg
 
 
+# CI draws one config besides the two explicit ones; SCHEMA_EXAMPLES=50 explores (random draws).
+EXPLORE = int(os.environ.get("SCHEMA_EXAMPLES", "0"))
+
+
 @settings(
-    max_examples=1,
+    max_examples=EXPLORE or 1,
     deadline=None,
-    derandomize=True,
+    derandomize=not EXPLORE,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -314,3 +337,14 @@ def test_valid_configs_run_a_grpo_step(tmp_path_factory, overrides):
     else:
         assert r["train/skipped"] == 1.0 and r["rollout/kept_groups"] == 0.0, (overrides, r)
     assert os.listdir(workdir / "checkpoints"), overrides
+
+
+def test_readme_field_list_is_current():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    listed = text.split(schema.BEGIN, 1)[1].split(schema.END, 1)[0]
+    assert listed == "\n" + schema.markdown(), (
+        "README's field list is stale: python -m configs.schema --write README.md"
+    )
+    for path, _ in FIELDS:
+        assert f"| `{path}` |" in listed
