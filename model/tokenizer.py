@@ -12,6 +12,9 @@
   `special_tokens_map.json`, `chat_template.jinja` and `additional_chat_templates/`, and extra stop ids from
   `generation_config.json`. Encode, decode and `apply_chat_template` give what `transformers.AutoTokenizer`
   gives for the same directory.
+- `model.tokenizer_tiktoken.TiktokenTokenizer` reads a checkpoint that ships a tiktoken BPE file
+  (`tiktoken.model`, as Kimi K2) instead of tokenizer.json. It and `HFTokenizer` share `CheckpointTokenizer`:
+  the named special tokens, stop ids and chat templates.
 
 Chat templates render in a sandboxed jinja2 environment set up as Hugging Face's is. This module imports no
 JAX, torch or transformers, and `tokenizers` and `jinja2` (the `hf` extra) only when they are needed, so
@@ -302,35 +305,33 @@ def render_chat_template(
         raise ChatTemplateError(f"{source}: the chat template failed: {type(e).__name__}: {e}") from e
 
 
-# --- Hugging Face checkpoints ------------------------------------------------------------------------------
+# --- Checkpoint tokenizers: named special tokens, stop ids and chat templates ------------------------------
 
 
-class HFTokenizer(Tokenizer):
-    """A `tokenizers.Tokenizer` with a checkpoint's special tokens, stop ids and chat templates.
+class CheckpointTokenizer(Tokenizer):
+    """What `HFTokenizer` and `TiktokenTokenizer` share: the special tokens tokenizer_config.json names (which
+    also reach the chat template as variables), the stop ids, and the chat templates by name.
 
-    Build it with `HFTokenizer.from_dir`. `chat_templates` maps a name to (template, where it came from); the
-    one named "default" is used unless `apply_chat_template` is given another name or a template string, or
-    `tools` are given and one is named "tool_use" (as in transformers).
+    `chat_templates` maps a name to (template, where it came from); the one named "default" is used unless
+    `apply_chat_template` is given another name or a template string, or `tools` are given and one is named
+    "tool_use" (as in transformers). A subclass sets `source`, `chat_templates` and `template_variables`,
+    then calls `_set_special_ids`.
     """
 
-    def __init__(
-        self,
-        backend: Any,
-        *,
-        named_tokens: Mapping[str, str],
-        chat_templates: Mapping[str, tuple[str, str]],
-        extra_stop_ids: Sequence[int] = (),
-        clean_up_tokenization_spaces: bool = False,
-        source: str = "tokenizer",
-    ):
-        self.backend = backend
-        self.source = source
-        self.chat_templates = dict(chat_templates)
-        self.template_variables = dict(named_tokens)  # transformers' special_tokens_map, as strings
-        self._clean_up_spaces = clean_up_tokenization_spaces
-        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
-        added = backend.get_added_tokens_decoder()
-        self.special_tokens = {token.content: i for i, token in added.items() if token.special}
+    source: str
+    chat_templates: dict[str, tuple[str, str]]
+    template_variables: dict[str, str]  # transformers' special_tokens_map, as strings
+
+    @abc.abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one token given as its string, or None if it is not a single token."""
+
+    @abc.abstractmethod
+    def id_to_token(self, token_id: int) -> str | None:
+        """The string of one token id."""
+
+    def _set_special_ids(self, extra_stop_ids: Sequence[int]) -> None:
+        """bos/eos/pad ids of the named tokens; stop ids: eos, then `extra_stop_ids` (generation_config's)."""
         self.bos_token, self.bos_id = self._named("bos_token")
         self.pad_token, self.pad_id = self._named("pad_token")
         eos_token, eos_id = self._named("eos_token")
@@ -338,63 +339,19 @@ class HFTokenizer(Tokenizer):
         stop_ids += [i for i in extra_stop_ids if i not in stop_ids]
         if not stop_ids:
             raise ValueError(
-                f"{source}: no eos_token in tokenizer_config.json and no eos_token_id in "
+                f"{self.source}: no eos_token in tokenizer_config.json and no eos_token_id in "
                 "generation_config.json, so generation could never stop; set eos_token in the former"
             )
         self.stop_ids = tuple(stop_ids)
         self.eos_id = stop_ids[0]
-        self.eos_token = eos_token if eos_id is not None else backend.id_to_token(self.eos_id)
+        self.eos_token = eos_token if eos_id is not None else self.id_to_token(self.eos_id)
 
     def _named(self, name: str) -> tuple[str | None, int | None]:
         token = self.template_variables.get(name)
-        token_id = None if token is None else self.backend.token_to_id(token)
+        token_id = None if token is None else self.token_to_id(token)
         if token is not None and token_id is None:
-            raise ValueError(f"{self.source}: {name}={token!r} is not among tokenizer.json's tokens")
+            raise ValueError(f"{self.source}: {name}={token!r} is not among the tokenizer's tokens")
         return token, token_id
-
-    @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> HFTokenizer:
-        """Load `tokenizer.json` and the files beside it from a checkpoint directory."""
-        import tokenizers
-
-        directory = pathlib.Path(path)
-        tokenizer_file = directory / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(
-                f"{tokenizer_file} not found: HFTokenizer reads a fast tokenizer's tokenizer.json. Copy it "
-                "from the checkpoint, or convert a slow (sentencepiece) tokenizer once with transformers' "
-                "AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
-            )
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(directory / "tokenizer_config.json")
-        named = _named_tokens(config)
-        for key, value in _named_tokens(_read_json(directory / "special_tokens_map.json")).items():
-            named.setdefault(key, value)
-        if backend.padding is not None and "pad_token" not in config:
-            named.setdefault("pad_token", backend.padding["pad_token"])  # transformers' last resort for pad
-        # transformers' encode and decode never pad or truncate unless asked, whatever tokenizer.json says.
-        backend.no_padding()
-        backend.no_truncation()
-        _add_missing_tokens(backend, config, named)
-        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-        # transformers skips this clean-up for BPE models, where it would delete real spaces.
-        clean_up = bool(config.get("clean_up_tokenization_spaces")) and type(backend.model).__name__ != "BPE"
-        return cls(
-            backend,
-            named_tokens=named,
-            chat_templates=_chat_templates(directory, config),
-            extra_stop_ids=_generation_eos_ids(directory / "generation_config.json"),
-            clean_up_tokenization_spaces=clean_up,
-            source=str(directory),
-        )
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """`add_special_tokens` applies tokenizer.json's post-processor (a Llama checkpoint's bos, say)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-        return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
     def apply_chat_template(
         self,
@@ -439,6 +396,84 @@ class HFTokenizer(Tokenizer):
         )
 
 
+# --- Hugging Face checkpoints ------------------------------------------------------------------------------
+
+
+class HFTokenizer(CheckpointTokenizer):
+    """A `tokenizers.Tokenizer` with a checkpoint's special tokens, stop ids and chat templates.
+
+    Build it with `HFTokenizer.from_dir`; `CheckpointTokenizer` says how a chat template is chosen.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        named_tokens: Mapping[str, str],
+        chat_templates: Mapping[str, tuple[str, str]],
+        extra_stop_ids: Sequence[int] = (),
+        clean_up_tokenization_spaces: bool = False,
+        source: str = "tokenizer",
+    ):
+        self.backend = backend
+        self.source = source
+        self.chat_templates = dict(chat_templates)
+        self.template_variables = dict(named_tokens)
+        self._clean_up_spaces = clean_up_tokenization_spaces
+        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+        added = backend.get_added_tokens_decoder()
+        self.special_tokens = {token.content: i for i, token in added.items() if token.special}
+        self._set_special_ids(extra_stop_ids)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> HFTokenizer:
+        """Load `tokenizer.json` and the files beside it from a checkpoint directory."""
+        import tokenizers
+
+        directory = pathlib.Path(path)
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found: HFTokenizer reads a fast tokenizer's tokenizer.json. Copy it "
+                "from the checkpoint, or convert a slow (sentencepiece) tokenizer once with transformers' "
+                "AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        config = _read_json(directory / "tokenizer_config.json")
+        named = _checkpoint_named_tokens(directory, config)
+        if backend.padding is not None and "pad_token" not in config:
+            named.setdefault("pad_token", backend.padding["pad_token"])  # transformers' last resort for pad
+        # transformers' encode and decode never pad or truncate unless asked, whatever tokenizer.json says.
+        backend.no_padding()
+        backend.no_truncation()
+        _add_missing_tokens(backend, config, named)
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        # transformers skips this clean-up for BPE models, where it would delete real spaces.
+        clean_up = bool(config.get("clean_up_tokenization_spaces")) and type(backend.model).__name__ != "BPE"
+        return cls(
+            backend,
+            named_tokens=named,
+            chat_templates=_chat_templates(directory, config),
+            extra_stop_ids=_generation_eos_ids(directory / "generation_config.json"),
+            clean_up_tokenization_spaces=clean_up,
+            source=str(directory),
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens` applies tokenizer.json's post-processor (a Llama checkpoint's bos, say)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -461,6 +496,14 @@ def _named_tokens(config: Mapping[str, Any]) -> dict[str, str]:
     """`bos_token`, `eos_token`, ... and model-specific `*_token` strings (all reach the chat template)."""
     named = {key: _token_string(value) for key, value in config.items() if key.endswith("_token")}
     return {key: value for key, value in named.items() if value is not None}
+
+
+def _checkpoint_named_tokens(directory: pathlib.Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """tokenizer_config.json's named tokens; special_tokens_map.json's for the rest (older checkpoints)."""
+    named = _named_tokens(config)
+    for key, value in _named_tokens(_read_json(directory / "special_tokens_map.json")).items():
+        named.setdefault(key, value)
+    return named
 
 
 ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
@@ -520,18 +563,27 @@ def _clean_up_tokenization(text: str) -> str:
 
 
 def load_tokenizer(path: str | os.PathLike | None, vocab_size: int | None = None) -> Tokenizer:
-    """None or "byte" -> `ByteTokenizer(vocab_size or 256)`; a checkpoint directory -> `HFTokenizer.from_dir`.
+    """None or "byte" -> `ByteTokenizer(vocab_size or 256)`; a checkpoint directory -> `HFTokenizer.from_dir`,
+    or `TiktokenTokenizer.from_dir` when it holds `tiktoken.model` and no `tokenizer.json` (Kimi K2).
 
-    With a directory, a given `vocab_size` (the model's) is checked to have a row for every token id.
+    With a directory, a given `vocab_size` (the model's) is checked to have a row for every token id, special
+    tokens included.
     """
     if path is None or path == "byte":
         return ByteTokenizer(256 if vocab_size is None else vocab_size)
     if not pathlib.Path(path).is_dir():
         raise FileNotFoundError(
             f"tokenizer path {str(path)!r} is not a directory; give a checkpoint directory holding "
-            "tokenizer.json, or 'byte' (or None) for the byte-level tokenizer"
+            "tokenizer.json (or tiktoken.model), or 'byte' (or None) for the byte-level tokenizer"
         )
-    tokenizer = HFTokenizer.from_dir(path)
+    directory = pathlib.Path(path)
+    tokenizer: Tokenizer
+    if (directory / "tiktoken.model").is_file() and not (directory / "tokenizer.json").is_file():
+        from model.tokenizer_tiktoken import TiktokenTokenizer
+
+        tokenizer = TiktokenTokenizer.from_dir(directory)
+    else:
+        tokenizer = HFTokenizer.from_dir(directory)
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
         raise ValueError(
             f"the tokenizer in {path} has ids up to {tokenizer.vocab_size - 1} but the model's vocab_size is "
