@@ -1,6 +1,6 @@
 """JAX decoding engine: paged KV cache, continuous batching, prefix reuse, exact speculative decoding."""
 
-from inference.drafters import GroupDrafter, ModelDrafter, NgramDrafter
+from inference.drafters import GroupDrafter, ModelDrafter, MTPDrafter, NgramDrafter
 from inference.engine import Engine
 from inference.engine_config import Completion, EngineConfig
 from inference.sampling import SamplingParams
@@ -11,6 +11,7 @@ __all__ = [
     "EngineConfig",
     "GroupDrafter",
     "ModelDrafter",
+    "MTPDrafter",
     "NgramDrafter",
     "SamplingParams",
 ]

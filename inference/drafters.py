@@ -7,6 +7,8 @@
 - `NgramDrafter(n)`: prompt lookup. The last `n` tokens (then n - 1, ..., 1) are searched for earlier in the
   sequence (prompt and generated text); the tokens that followed the most recent match are proposed. Its q is
   the one-hot on the proposal, so verification stays exact. Costs no model forward at all.
+- `MTPDrafter()`: the target's own multi-token-prediction head (DeepSeek-V3's MTP module) drafts from the
+  target's hidden state, on device inside the speculative step, with its own K/V pages.
 - `GroupDrafter(n)`: proposals from the other samples of the same request (the n samples of a GRPO group
   share their prompt and often much of their text), falling back to the sequence's own text. Model-free and
   one-hot like `NgramDrafter`.
@@ -66,6 +68,16 @@ class ModelDrafter:
         self.cfg = cfg
         self.graphdef, abstract = split_weights(cfg)
         self.params = model_weights("draft params", params, abstract)
+
+
+class MTPDrafter:
+    """The target's own multi-token-prediction head (`model.mtp_layers`, DeepSeek-V3's MTP modules) as the
+    drafter: the same weights propose and verify (the "high-speed variant" of a model is the model itself).
+    The engine keeps the first MTP module's K/V in pages of its own over the same page tables and runs it
+    inside the speculative step (`inference.steps.speculative_mtp`); `update_params` moves it with the
+    target. A cached prefix shares the module's K/V too: the entry at a cached prefix's last position read
+    the token that followed it when it was cached, which lowers acceptance by at most that one position,
+    never exactness."""
 
 
 class NgramDrafter:

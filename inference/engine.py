@@ -35,6 +35,7 @@ from inference import kv_pages, routing, steps
 from inference.drafters import (
     GroupDrafter,
     ModelDrafter,
+    MTPDrafter,
     NgramDrafter,
     SampleGroup,
     model_weights,
@@ -57,7 +58,7 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
-DRAFTERS = (ModelDrafter, NgramDrafter, GroupDrafter)
+DRAFTERS = (ModelDrafter, NgramDrafter, GroupDrafter, MTPDrafter)
 
 
 class Engine(Scheduler):
@@ -77,7 +78,13 @@ class Engine(Scheduler):
         self.vocab = cfg.model.vocab_size
         if draft is not None and not isinstance(draft, DRAFTERS):
             raise TypeError(
-                f"draft={draft!r} must be an inference.ModelDrafter, NgramDrafter, GroupDrafter or None."
+                f"draft={draft!r} must be an inference.ModelDrafter, NgramDrafter, GroupDrafter, "
+                "MTPDrafter or None."
+            )
+        if isinstance(draft, MTPDrafter) and not cfg.model.mtp_layers:
+            raise ValueError(
+                "draft=MTPDrafter() needs a model with multi-token-prediction modules "
+                "(model.mtp_layers >= 1, DeepSeek-V3's num_nextn_predict_layers); this one has none."
             )
         if isinstance(draft, ModelDrafter) and draft.cfg.model.vocab_size != self.vocab:
             raise ValueError(
@@ -114,6 +121,19 @@ class Engine(Scheduler):
             self.draft_params = self._copy_draft_params(_committed(draft.params))
             draft_model = nnx.merge(draft.graphdef, self.draft_params)
             self.draft_kv = _committed(draft_model.init_paged_cache(e.pool_pages, e.page_size, dtype))
+        self.mtp_kv = self._mtp_carry = None
+        if isinstance(draft, MTPDrafter):
+            self.mtp_kv = _committed(model.init_mtp_paged_cache(e.pool_pages, e.page_size, dtype))
+            rows, compute = e.max_batch, jnp.dtype(m.compute_dtype)
+            self._mtp_carry = _committed(
+                steps.MTPCarry(
+                    jnp.zeros((rows,), jnp.int32),
+                    jnp.zeros((rows, self.vocab), jnp.float32),
+                    jnp.zeros((rows, m.d_model), compute),
+                )
+            )
+        # MTP drafter: (sequence id, start) whose next first draft each slot's carry holds, else None.
+        self._carry_for: list[tuple[int, int] | None] = [None] * e.max_batch
         self._build_steps()
         self._slots: list[Seq | None] = [None] * e.max_batch
         self._queue: collections.deque[Seq] = collections.deque()
@@ -277,7 +297,7 @@ class Engine(Scheduler):
             while t <= e.prefill_chunk:
                 b = 1
                 while b <= e.prefill_batch:
-                    self._run_prefill(zeros(b, t), zeros(b, e.pages_per_seq), zeros(b), zeros(b))
+                    self._run_prefill(zeros(b, t), zeros(b, t), zeros(b, e.pages_per_seq), zeros(b), zeros(b))
                     b *= 2
                 t *= 2
             self._apply_copies([])
@@ -365,18 +385,23 @@ class Engine(Scheduler):
         rows = self._rows(active)
         draft = np.zeros((self.ecfg.max_batch, k), np.int32)
         num_draft = np.zeros(self.ecfg.max_batch, np.int32)
-        if not isinstance(self.draft, ModelDrafter):
+        if isinstance(self.draft, ModelDrafter):
+            num_draft[:] = k
+        elif isinstance(self.draft, MTPDrafter):  # the carry holds a first draft for rows that ran before
+            for b, seq in active:
+                num_draft[b] = k if self._carry_for[b] == (seq.id, int(rows.start_B[b])) else 0
+        else:
             for b, seq in active:
                 proposal = self._propose(seq, k)
                 draft[b, : len(proposal)], num_draft[b] = proposal, len(proposal)
-        else:
-            num_draft[:] = k
         accepted, out, logp, raw = jax.device_get(self._run_spec(rows, draft, num_draft))
         self._stats["target_row_forwards"] += len(active)
         self._stats["spec_steps"] += 1
         finished = []
+        self._carry_for = [None] * self.ecfg.max_batch
         for b, seq in active:
             a = int(accepted[b])
+            self._carry_for[b] = (seq.id, int(rows.start_B[b]) + a + 1)
             self._stats["proposed_tokens"] += int(num_draft[b])
             self._stats["accepted_tokens"] += a
             self.table.truncate(seq.id, int(rows.start_B[b]) + a + 1)
@@ -455,10 +480,18 @@ class Engine(Scheduler):
         if isinstance(self.draft, ModelDrafter):
             self._draft_prefill = steps.jitted("prefill", self.draft.graphdef)
             self._spec = steps.jitted("spec_model", g, self.draft.graphdef, e.num_draft, self._resample_from)
+        elif isinstance(self.draft, MTPDrafter):
+            self._prefill_fn = steps.jitted("prefill_mtp", g)
+            self._spec = steps.jitted("spec_mtp", g, e.num_draft, self._resample_from)
         elif self.draft is not None:  # one-hot proposals from the host
             self._spec = steps.jitted("spec_tokens", g, self.vocab, self._resample_from)
 
-    def _run_prefill(self, tokens, table, start, num) -> None:
+    def _run_prefill(self, tokens, next_tokens, table, start, num) -> None:
+        if self.mtp_kv is not None:
+            self.kv, self.mtp_kv = self._prefill_fn(
+                self.params, self.kv, self.mtp_kv, tokens, next_tokens, table, start, num
+            )
+            return
         self.kv = self._prefill_fn(self.params, self.kv, tokens, table, start, num)
         if self.draft_kv is not None:
             self.draft_kv = self._draft_prefill(self.draft_params, self.draft_kv, tokens, table, start, num)
@@ -476,11 +509,17 @@ class Engine(Scheduler):
             self.kv = self._copy(self.kv, src, dst)
             if self.draft_kv is not None:
                 self.draft_kv = self._copy(self.draft_kv, src, dst)
+            if self.mtp_kv is not None:
+                self.mtp_kv = self._copy(self.mtp_kv, src, dst)
 
     def _run_spec(self, rows: steps.Rows, draft, num_draft):
         if isinstance(self.draft, ModelDrafter):
             self.kv, self.draft_kv, *out = self._spec(
                 self.params, self.draft_params, self.kv, self.draft_kv, rows
+            )
+        elif isinstance(self.draft, MTPDrafter):
+            self.kv, self.mtp_kv, self._mtp_carry, *out = self._spec(
+                self.params, self.kv, self.mtp_kv, self._mtp_carry, rows, num_draft
             )
         else:
             self.kv, *out = self._spec(self.params, self.kv, rows, draft, num_draft)

@@ -140,13 +140,15 @@ class Scheduler:
             t = min(e.prefill_chunk, max(e.min_bucket, pow2(max(len(c) - s for _, s, c in batch))))
             b = pow2(len(batch))
             tokens, table = np.zeros((b, t), np.int32), np.zeros((b, e.pages_per_seq), np.int32)
+            next_tokens = np.zeros((b, t), np.int32)  # the token after each (the MTP drafter reads it)
             start_B, num_B = np.zeros(b, np.int32), np.zeros(b, np.int32)
             for r, (seq, start, context) in enumerate(batch):
                 n = min(t, len(context) - start)
                 tokens[r, :n] = context[start : start + n]
+                next_tokens[r, :n] = (context + [seq.pending])[start + 1 : start + n + 1]
                 table[r] = self.table.page_table([seq.id])[0]
                 start_B[r], num_B[r] = start, n
-            self._run_prefill(tokens, table, start_B, num_B)
+            self._run_prefill(tokens, next_tokens, table, start_B, num_B)
             self._stats["prefill_calls"] += 1
             for r, w in enumerate(batch):
                 w[1] += int(num_B[r])

@@ -45,16 +45,17 @@ def _cache(kv: dict, table_BM, start_B, num_new_B) -> dict:
     return {**pages, "page_table": table_BM, "start": start_B, "num_new": num_new_B}
 
 
-def _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B):
+def _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B, *, hidden: bool = False):
     """The model over a paged cache; returns (logits_BTV, kv with the new tokens' K/V written, and their
-    routing when `kv` holds the routing record `experts`)."""
+    routing when `kv` holds the routing record `experts`), plus the last hidden state [B, T, D] before the
+    final norm when `hidden` (what the MTP head reads)."""
     logits_BTV, aux = nnx.merge(graphdef, params)(
         tokens_BT, kv_cache=_cache(kv, table_BM, start_B, num_new_B)
     )
     kv = dict(kv, **aux["kv_cache"])
     if "experts" in kv:
         kv["experts"] = routing.write(kv["experts"], aux["expert_indices"], table_BM, start_B, num_new_B)
-    return logits_BTV, kv
+    return (logits_BTV, kv, aux["hidden"]) if hidden else (logits_BTV, kv)
 
 
 def prefill(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B):
@@ -94,12 +95,17 @@ def decode(graphdef, params, kv, rows: Rows):
     return kv, next_B, logp_B, sampling.raw_logprobs(logits_BV, next_B)
 
 
-def _verify(graphdef, params, kv, rows: Rows, draft_BK, draft_logp_BKV, num_draft_B, resample_from):
-    """Target forward over [pending, draft] (K1 positions) and exact verification."""
+def _verify(
+    graphdef, params, kv, rows: Rows, draft_BK, draft_logp_BKV, num_draft_B, resample_from, hidden=False
+):
+    """Target forward over [pending, draft] (K1 positions) and exact verification; with `hidden` the
+    target's last hidden states [B, K1, D] come last."""
     k = draft_BK.shape[1]
     tokens_BK1 = jnp.concatenate([rows.pending_B[:, None], draft_BK], axis=1)
     num_new_B = jnp.where(rows.active_B > 0, k + 1, 0)
-    logits_BK1V, kv = _forward(graphdef, params, kv, tokens_BK1, rows.table_BM, rows.start_B, num_new_B)
+    logits_BK1V, kv, *hidden_BK1D = _forward(
+        graphdef, params, kv, tokens_BK1, rows.table_BM, rows.start_B, num_new_B, hidden=hidden
+    )
     target_logp_BK1V = _processed_rows(logits_BK1V, rows.arrays)
     verify_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(row_keys(*rows.keys))
     accepted_B, out_BK1, out_logp_BK1 = speculative.verify(
@@ -107,7 +113,7 @@ def _verify(graphdef, params, kv, rows: Rows, draft_BK, draft_logp_BKV, num_draf
     )
     raw_BK1V = jax.nn.log_softmax(logits_BK1V, axis=-1)
     raw_BK1 = jnp.take_along_axis(raw_BK1V, out_BK1[..., None], axis=-1)[..., 0]
-    return kv, accepted_B, out_BK1, out_logp_BK1, raw_BK1
+    return (kv, accepted_B, out_BK1, out_logp_BK1, raw_BK1, *hidden_BK1D)
 
 
 def speculative_model(
@@ -155,6 +161,91 @@ def speculative_model(
     return (kv, draft_kv, *out)
 
 
+class MTPCarry(NamedTuple):
+    """What the MTP drafter hands from one speculative step to the next, per decode slot: the first draft
+    token (the one after the pending token), the processed distribution q it was drawn from, and the MTP
+    module's hidden state at the position before the pending token (the input of the next draft)."""
+
+    token_B: jax.Array
+    logp_BV: jax.Array
+    hidden_BD: jax.Array
+
+
+def _mtp(graphdef, params, mtp_kv, hidden_BTD, next_BT, table_BM, start_B, num_new_B):
+    """The first MTP module over its own pages (`Transformer.mtp_paged`): (logits_BTV, h'_BTD, mtp_kv)."""
+    return nnx.merge(graphdef, params).mtp_paged(
+        hidden_BTD, next_BT, _cache(mtp_kv, table_BM, start_B, num_new_B)
+    )
+
+
+def prefill_mtp(graphdef, params, kv, mtp_kv, tokens_BT, next_BT, table_BM, start_B, num_new_B):
+    """`prefill`, and the MTP module's K/V at the same positions: at position i it reads the target's hidden
+    state there and the token after it (`next_BT`, the tokens shifted by one). Returns (kv, mtp_kv)."""
+    _, kv, hidden_BTD = _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B, hidden=True)
+    _, _, mtp_kv = _mtp(graphdef, params, mtp_kv, hidden_BTD, next_BT, table_BM, start_B, num_new_B)
+    return kv, mtp_kv
+
+
+def speculative_mtp(
+    graphdef,
+    params,
+    kv,
+    mtp_kv,
+    carry: MTPCarry,
+    rows: Rows,
+    num_draft_B,
+    *,
+    num_draft: int,
+    resample_from: str = "residual",
+):
+    """Draft with the model's own MTP head, verify with the target, and draft the next step's first token.
+
+    With the pending token c at position s (the row's start): draft 1 is the carried token (predicted at
+    s - 1 last step); draft i + 1 comes from the MTP module at position s + i - 1, fed its own previous hidden
+    state and draft i (the chain vLLM and EAGLE use: one module reused past its depth). The target verifies
+    [c, drafts] as for any drafter. Then the module runs over positions s .. s + K with the target's hidden
+    states there and the tokens that follow them (the accepted drafts, then the correction), which rewrites
+    its pages with the right inputs up to s + accepted; its prediction at s + accepted (the position before
+    the next pending token) is the next step's first draft. Rows with `num_draft_B` 0 (just admitted) verify
+    no draft. Returns (kv, mtp_kv, next carry, accepted_B, tokens_BK1, logp_BK1, raw_BK1)."""
+    base_keys = row_keys(*rows.keys)
+    fold = lambda n, i=0: jax.vmap(lambda key: jax.random.fold_in(jax.random.fold_in(key, n), i))(base_keys)
+
+    def chain(c, i):
+        mtp_kv, token_B, h_BD = c
+        logits_BTV, h_BTD, mtp_kv = _mtp(
+            graphdef,
+            params,
+            mtp_kv,
+            h_BD[:, None],
+            token_B[:, None],
+            rows.table_BM,
+            rows.start_B + i - 1,
+            rows.active_B,
+        )
+        logp_BV = sampling.processed_logprobs(logits_BTV[:, 0], rows.arrays)
+        next_B, _ = sampling.sample_from_logprobs(fold(3, i), logp_BV)
+        return (mtp_kv, next_B, h_BTD[:, 0]), (next_B, logp_BV)
+
+    (mtp_kv, _, _), (chain_KB, chain_logp_KBV) = jax.lax.scan(
+        chain, (mtp_kv, carry.token_B, carry.hidden_BD), jnp.arange(1, num_draft, dtype=jnp.int32)
+    )
+    draft_BK = jnp.concatenate([carry.token_B[:, None], chain_KB.T], axis=1)
+    draft_logp_BKV = jnp.concatenate([carry.logp_BV[:, None], jnp.moveaxis(chain_logp_KBV, 0, 1)], axis=1)
+    kv, accepted_B, out_BK1, out_logp_BK1, raw_BK1, hidden_BK1D = _verify(
+        graphdef, params, kv, rows, draft_BK, draft_logp_BKV, num_draft_B, resample_from, hidden=True
+    )
+    num_new_B = jnp.where(rows.active_B > 0, num_draft + 1, 0)
+    logits_BK1V, h_BK1D, mtp_kv = _mtp(
+        graphdef, params, mtp_kv, hidden_BK1D, out_BK1, rows.table_BM, rows.start_B, num_new_B
+    )
+    at = lambda x: jnp.take_along_axis(x, accepted_B.reshape(-1, 1, 1), axis=1)[:, 0]
+    logp_BV = sampling.processed_logprobs(at(logits_BK1V), rows.arrays)
+    token_B, _ = sampling.sample_from_logprobs(fold(4), logp_BV)
+    carry = MTPCarry(token_B, logp_BV, at(h_BK1D).astype(carry.hidden_BD.dtype))
+    return kv, mtp_kv, carry, accepted_B, out_BK1, out_logp_BK1, raw_BK1
+
+
 def speculative_tokens(
     graphdef, params, kv, rows: Rows, draft_BK, num_draft_B, *, vocab: int, resample_from: str = "residual"
 ):
@@ -200,6 +291,12 @@ def jitted(kind: str, *static):
         g, draft_g, k, resample_from = static
         fn = functools.partial(speculative_model, g, draft_g, num_draft=k, resample_from=resample_from)
         return jax.jit(fn, donate_argnums=(2, 3))
+    if kind == "prefill_mtp":
+        return jax.jit(functools.partial(prefill_mtp, *static), donate_argnums=(1, 2))
+    if kind == "spec_mtp":
+        g, k, resample_from = static
+        fn = functools.partial(speculative_mtp, g, num_draft=k, resample_from=resample_from)
+        return jax.jit(fn, donate_argnums=(1, 2))
     if kind == "spec_tokens":
         g, vocab, resample_from = static
         fn = functools.partial(speculative_tokens, g, vocab=vocab, resample_from=resample_from)

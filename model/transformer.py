@@ -328,6 +328,34 @@ class Transformer(nnx.Module):
             out.append(self._logits(module.norm(h_BTD), normed=True))
         return jnp.stack(out)
 
+    def init_mtp_paged_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
+        """Empty page arrays for the first MTP module's attention (one layer; layout of `init_paged_cache`),
+        what `mtp_paged` reads and writes: the engine's MTP drafter keeps them beside the target's."""
+        m = self.cfg.model
+        widths, heads = self.cache_rows()
+        dtype = dtype or m.compute_dtype
+        return {k: jnp.zeros((heads, num_pages, page_size, w), dtype) for k, w in widths.items()}
+
+    def mtp_paged(self, hidden_BTD: jax.Array, next_tokens_BT: jax.Array, kv_cache: dict):
+        """The first MTP module over a paged cache (`init_mtp_paged_cache` arrays + page_table, start,
+        num_new, as for `__call__`): at position start + t it reads the hidden state `hidden_BTD[:, t]` of
+        position start + t and the embedding of the token after it, `next_tokens_BT[:, t]`, and predicts
+        the token after that. Returns (logits_BTV, the module's hidden state h'_BTD, updated page arrays)."""
+        module = self.mtp[0]
+        b, t = next_tokens_BT.shape
+        cache = {
+            **{k: kv_cache[k] for k in page_keys(kv_cache)},
+            "page_table": kv_cache["page_table"].astype(jnp.int32),
+            "start": kv_cache["start"].astype(jnp.int32),
+            "num_new": kv_cache["num_new"].astype(jnp.int32),
+            "layer": jnp.zeros((), jnp.int32),
+        }
+        positions_BT = cache["start"][:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        emb_BTD = self.embed(next_tokens_BT)
+        h_BTD, _, cache = module(hidden_BTD.astype(emb_BTD.dtype), emb_BTD, positions_BT, None, cache)
+        logits_BTV = self._logits(module.norm(h_BTD), normed=True)
+        return logits_BTV, h_BTD, {k: cache[k] for k in page_keys(cache)}
+
 
 def _strip_index(c):
     return None if c is None else {k: c[k] for k in page_keys(c)}
