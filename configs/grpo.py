@@ -1,9 +1,12 @@
 """python -m rl.train --config=configs/grpo.py:tiny --workdir=runs/tiny
 
 GRPO post-training of the `tiny` (tests, CPU) or `small` (Colab) MoE model: `configs/grpo.py:small`, and the
-variants `test` and `demo`. The model and mesh blocks come from `configs/tiny.py` / `configs/small.py`;
-everything the main job adds lives under `cfg.rl`, built from the table `RL` (each field's default, meaning
-and allowed values; `python -m configs.schema` prints it, and the README's field list is that output):
+variants `test` and `demo` (both of the tiny model). The model and mesh blocks come from `configs/tiny.py` /
+`configs/small.py`, which get the arguments after the first, comma-separated (`configs/grpo.py:test,deepseek`
+is the test variant on tiny's DeepSeek-V3-like model); with `rl.init_from` the model is a Hugging Face
+checkpoint's instead. Everything the main job adds lives under `cfg.rl`, built from the table `RL` (each
+field's default, meaning and allowed values; `python -m configs.schema` prints it, and the README's field
+list is that output):
 
   rl.loss       the GRPO objective (`rl.grpo.LOSS`, read by `rl.grpo.loss_from_config`)
   rl.optim      AdamW + warmup/cosine schedule + clipping (`rl.train_step.OPTIM`)
@@ -45,6 +48,14 @@ def _rl_table() -> dict:
     return {
         **{f"loss.{k}": f for k, f in grpo.LOSS.items()},
         **{f"optim.{k}": f for k, f in train_step.OPTIM.items()},
+        # --- where the weights come from
+        "init_from": Text(
+            "",
+            'Hugging Face checkpoint dir to post-train ("": random init): model.* becomes its config.json\'s,'
+            " dtypes included (only model.hf_config.RUNTIME_FIELDS, e.g. scan_layers, remat, moe.impl, stay"
+            ' this config\'s); its tokenizer.json is used when rl.tokenizer is ""; a resumed run restores its'
+            " own checkpoint (python -m rl.export writes a run back as one)",
+        ),
         # --- batch geometry and sampling
         "seed": Int(
             0, "model init, task streams, sampling keys: any size, hashed into each RNG's domain", lo=0
@@ -164,6 +175,9 @@ def _rl_table() -> dict:
         "sft.steps": Int(20, "warm-start steps on reference solutions (small: 200)", lo=0),
         "sft.rows": Int(16, "rows per SFT step", lo=1),
         "sft.noise": Float(0.0, "fraction of demonstrations with one character wrong", lo=0, hi=1),
+        "sft.mtp_weight": Float(
+            0.0, "weight of the MTP modules' loss on the solution tokens (needs model.mtp_layers > 0)", lo=0
+        ),
         "sft.weights": Block("domain -> share of SFT rows (default: the curriculum's)", value=weight),
         "sft.optim": Block("overrides of rl.optim for the SFT phase", of=train_step.OPTIM),
         "eval.n_tasks": Int(8, "held-out tasks per domain, before and after training (small: 64)", lo=1),
@@ -188,14 +202,15 @@ SMALL = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    name = arg or "tiny"
+    name, _, model_arg = (arg or "tiny").partition(",")
     if name in VARIANTS:
-        return _variant(name)
+        return _variant(name, model_arg)
     if name not in MODELS:
         raise ValueError(
-            f"configs/grpo.py: unknown argument {name!r}; use one of {sorted(MODELS) + list(VARIANTS)}"
+            f"configs/grpo.py: unknown argument {name!r}; use one of {sorted(MODELS) + list(VARIANTS)}, "
+            "optionally followed by the model file's arguments (test,deepseek)"
         )
-    cfg = MODELS[name].get_config()
+    cfg = MODELS[name].get_config(model_arg or None)
     rl = cfg.rl = schema.build(RL)
     if name == "small":
         for dotted, value in SMALL.items():
@@ -209,8 +224,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     return cfg
 
 
-def _variant(name: str) -> ml_collections.ConfigDict:
-    cfg = get_config("tiny")
+def _variant(name: str, model_arg: str = "") -> ml_collections.ConfigDict:
+    cfg = get_config(",".join(("tiny", model_arg)) if model_arg else "tiny")
     rl = cfg.rl
     if name == "test":
         # "Reply with: ok": a few SFT steps make the tiny model answer right most of the time, so some groups

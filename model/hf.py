@@ -19,7 +19,8 @@ import functools
 import json
 import math
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -388,12 +389,15 @@ def _mtp_copy(cfg, k: int, name: str) -> str:
     return _LAYER.format(layer=cfg.model.num_layers + k) + name
 
 
-def read_config(directory) -> ml_collections.ConfigDict:
-    """Our config for the checkpoint in `directory` (its config.json)."""
+def read_config(directory, *, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+    """Our config for the checkpoint in `directory` (its config.json), with the dotted model fields of
+    `overrides` set (e.g. `hf_config.runtime_fields` of another config: {"remat": "full", ...})."""
     path = pathlib.Path(directory) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; pass a Hugging Face checkpoint directory")
-    return hf_config.from_hf(json.loads(path.read_text()))
+    cfg = hf_config.from_hf(json.loads(path.read_text()))
+    hf_config.set_fields(cfg.model, dict(overrides or {}))
+    return cfg
 
 
 def _abstract(cfg: ml_collections.ConfigDict, variables=nnx.Param):
@@ -407,14 +411,16 @@ def load(
     mesh: jax.sharding.Mesh | None = None,
     dtype: str | None = None,
     variables=nnx.Param,
+    overrides: Mapping[str, Any] | None = None,
 ):
     """(cfg, params) of an HF checkpoint: `params` is the model's `nnx.Param` state, each array placed
     with its sharding on `mesh` (or on the default device). `dtype` overrides the parameter dtype (FP8
     checkpoints load in their non-quantized dtype, bf16 by default). `variables` (an nnx filter) widens
     what is read, e.g. `(nnx.Param, model.moe.ExpertBias)` for DeepSeek-V3's `e_score_correction_bias`,
-    which `load_model` reads too."""
+    which `load_model` reads too. `overrides`: model fields set after config.json is read (`read_config`),
+    e.g. the runtime settings `scan_layers` or `remat` (the layout of the params follows them)."""
     directory = pathlib.Path(directory)
-    cfg = read_config(directory)
+    cfg = read_config(directory, overrides=overrides)
     if dtype is not None:
         cfg.model.param_dtype = cfg.model.compute_dtype = str(jnp.dtype(dtype))
     if mesh is not None:
@@ -454,10 +460,17 @@ def load(
     return cfg, params_state
 
 
-def load_model(directory, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None = None):
-    """(cfg, Transformer) with the checkpoint's weights (and expert selection biases)."""
+def load_model(
+    directory,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+):
+    """(cfg, Transformer) with the checkpoint's weights (and expert selection biases); `overrides` as in
+    `load`."""
     variables = (nnx.Param, ExpertBias)
-    cfg, params = load(directory, mesh=mesh, dtype=dtype, variables=variables)
+    cfg, params = load(directory, mesh=mesh, dtype=dtype, variables=variables, overrides=overrides)
     graphdef, _, rest = _abstract(cfg, variables)
     return cfg, nnx.merge(graphdef, params, rest)
 

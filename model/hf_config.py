@@ -29,6 +29,40 @@ KNOWN_UNSUPPORTED = {
 }
 
 
+# Model fields config.json does not define: how the model runs and trains, not what it computes. `from_hf`
+# leaves them at configs/base.py's defaults; a caller with its own settings passes them to `model.hf.load`.
+RUNTIME_FIELDS = (
+    "attention_impl",
+    "scan_layers",
+    "remat",
+    "moe.impl",
+    "moe.capacity_factor",
+    "moe.z_loss_weight",
+    "moe.bias_update_rate",
+)
+
+
+def runtime_fields(m: ml_collections.ConfigDict) -> dict:
+    """{dotted name: value} of `RUNTIME_FIELDS` in the model block `m`."""
+    out = {}
+    for name in RUNTIME_FIELDS:
+        node = m
+        for part in name.split("."):
+            node = node[part]
+        out[name] = node
+    return out
+
+
+def set_fields(m: ml_collections.ConfigDict, values: dict) -> None:
+    """Sets the dotted model fields `values` in the model block `m`."""
+    for name, value in values.items():
+        *parents, leaf = name.split(".")
+        node = m
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+
+
 def architecture_of(hf: dict) -> str:
     archs = hf.get("architectures") or []
     if len(archs) != 1:

@@ -245,6 +245,26 @@ def with_overrides(
     return cfg
 
 
+def restore_state(cfg: Any, workdir: str, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """(train state, meta) of the run in `workdir`: its checkpoint at `step` (default: the latest), restored
+    for `cfg`, the run's config (the model config rl.train checkpoints with: a checkpoint of another model
+    is refused, by field). `rl.export` writes the state as a Hugging Face checkpoint."""
+    from rl import checkpoint, train_step
+    from rl import train as train_lib
+
+    _, state = train_step.init_state(cfg, seed=cfg.rl.seed)
+    ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model)
+    try:
+        meta = ckpt.read_meta(step)
+        if meta is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first (python -m rl.train ...)")
+        tree, meta = ckpt.restore(step, target_state=train_lib.checkpoint_target(cfg, state, meta))
+    finally:
+        ckpt.close()
+    return train_lib.unpack(tree)[0], meta
+
+
 def run(
     workdir: str,
     *,
@@ -273,25 +293,13 @@ def run(
     with EnvPool(rl.env_workers, domains=env_kwargs, timeout_s=rl.env_timeout_s) as pool:
         from inference import Engine
         from model.tokenizer import load_tokenizer
-        from rl import checkpoint, rollout, train_step, validate
+        from rl import rollout, train_step, validate
 
         tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
         tasks = data.heldout_tasks(cfg, tokenizer)
-        _, state = train_step.init_state(cfg, seed=rl.seed)
-        ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        # The model config rl.train checkpoints with: a checkpoint of another model is refused, by field.
-        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model)
-        try:
-            from rl import train as train_lib
-
-            meta = ckpt.read_meta(step)
-            if meta is None:
-                raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first (python -m rl.train ...)")
-            tree, meta = ckpt.restore(step, target_state=train_lib.checkpoint_target(cfg, state, meta))
-            state = train_lib.unpack(tree)[0]
-        finally:
-            ckpt.close()
-        engine = Engine(cfg, state.params, validate.engine_config(cfg))
+        state, meta = restore_state(cfg, workdir, step)
+        # With the selection biases: the engine refuses a sigmoid-router model's params without them.
+        engine = Engine(cfg, train_step.weights(state), validate.engine_config(cfg))
         sampling = rollout.sampling_params(rl, tokenizer, seed=seed)
         results = evaluate(
             engine,
@@ -314,8 +322,16 @@ def main() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
-    config = config_flags.DEFINE_config_file("config", None, "Config file (default: <workdir>/config.json).")
-    workdir = flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
+    # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
+    # import it first, and let ours replace its --config and --workdir.
+    from rl import train  # noqa: F401
+
+    config = config_flags.DEFINE_config_file(
+        "config", None, "Config file (default: <workdir>/config.json).", allow_override=True
+    )
+    workdir = flags.DEFINE_string(
+        "workdir", None, "Run directory (config.json, checkpoints/).", allow_override=True
+    )
     domains = flags.DEFINE_list("domains", None, "Domains to evaluate (default: the run's rl.domains).")
     n_tasks = flags.DEFINE_integer("n_tasks", None, "Held-out tasks per domain (default: rl.eval.n_tasks).")
     k = flags.DEFINE_integer("k", None, "Samples per task (default: rl.eval.k).")

@@ -3,7 +3,8 @@
 Supervised warm start on reference solutions: each example is the task's prompt (as the sampler sees it,
 `rl.rollout.format_prompt`) followed by `Environment.reference_solution(task)` and the end-of-sequence
 token; the loss is the cross-entropy of the solution tokens only (`rl.train_step.make_sft_step`, the same
-state and optimizer as GRPO). Multi-turn domains are trained on their action lines as one completion.
+state and optimizer as GRPO), plus rl.sft.mtp_weight times the multi-token-prediction modules' loss on the
+same tokens. Multi-turn domains are trained on their action lines as one completion.
 
 As a CLI it runs `cfg.rl.sft.steps` steps on tasks from the train split of `cfg.rl.domains` and saves a
 checkpoint (step 0 of the GRPO run) into `<workdir>/checkpoints`, which `python -m rl.train` resumes from.
@@ -77,13 +78,15 @@ def run_sft(
     start: int = 0,
     should_stop: Callable[[], bool] | None = None,
     env_kwargs: Mapping[str, Mapping] | None = None,
+    mtp_weight: float = 0.0,
 ):
     """SFT updates `start`..`steps - 1` on fresh tasks each step; returns (state, steps done). Stops early
     when `should_stop()` turns true (a preemption: the caller saves and resumes from the count). Step i's
-    noise draws come from (seed, i), so a resumed run makes the same examples."""
+    noise draws come from (seed, i), so a resumed run makes the same examples. `mtp_weight` > 0 adds the
+    MTP modules' loss (rl.sft.mtp_weight; metric `sft/mtp_loss`)."""
     from rl import train_step
 
-    step_fn = train_step.make_sft_step(cfg, model_def)
+    step_fn = train_step.make_sft_step(cfg, model_def, mtp_weight=mtp_weight)
     envs_by_domain: dict[str, object] = {}
     env_kwargs = env_kwargs or {}
     for i in range(start, steps):

@@ -8,9 +8,11 @@ The main job: GRPO post-training over task domains, one step as in ../DESIGN.md 
    before any process or array exists or the workdir is written; library logs go to `<workdir>/log.txt`.
 2. Environments: the quality gate, the worker pool (started before JAX touches a device), the task streams
    and the curriculum.
-3. Train state: restored from `<workdir>/checkpoints` when one exists, else built and warm-started by SFT
-   on reference solutions (the draft model, when there is one, learns from the same batches). SIGTERM or
-   Ctrl-C during SFT saves its progress; the next start resumes it.
+3. Train state: restored from `<workdir>/checkpoints` when one exists, else built (or, with rl.init_from,
+   loaded from a Hugging Face checkpoint, whose model config and tokenizer the run takes:
+   `validate.init_from_config`) and warm-started by SFT on reference solutions (the draft model, when there
+   is one, learns from the same batches). SIGTERM or Ctrl-C during SFT saves its progress; the next start
+   resumes it. `python -m rl.export` writes a run's state back as a Hugging Face checkpoint.
 4. Reference (the step-0 policy, for rl.loss.kl_kind), drafter (rl.engine.draft) and the engine.
 5. The held-out evaluation (`rl.data.heldout_tasks`, the tasks `rl.evaluate` scores too).
 6. The loop, one rollout batch per step: batch (sampled, scored, filtered; in async mode by a producer
@@ -59,6 +61,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
 
     # ---- Config, workdir, console -----------------------------------------------------------------------
     validate.validate(cfg)
+    cfg = validate.init_from_config(cfg)  # rl.init_from: the checkpoint's model config and tokenizer
     rl = cfg.rl
     tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
     data.check_domains(cfg, tokenizer)  # levels exist, prompts fit: refused now, not after the warm start
@@ -100,13 +103,14 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             model_config=cfg.model,
         )
 
-        # ---- Train state: restore, or build and warm-start by SFT ------------------------------------------
+        # ---- Train state: restore, or build (or load rl.init_from) and warm-start by SFT -------------------
         draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
-        model_def, state = train_step.init_state(cfg, seed=rl.seed)
+        meta = ckpt.read_meta()
+        pretrained = _pretrained(cfg) if meta is None and rl.init_from else {}  # resumed: its own state
+        model_def, state = train_step.init_state(cfg, seed=rl.seed, **pretrained)
         draft_def, draft_state = (None, None) if draft_cfg is None else _sft_state(draft_cfg, rl.seed)
         ref_params = _reference(state.params, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
         start_step, version, sft_done = 0, 0, 0
-        meta = ckpt.read_meta()
         if meta is not None:
             sft_done = meta.get("sft_step", rl.sft.steps)
             in_sft = sft_done < rl.sft.steps
@@ -376,13 +380,25 @@ class _TaskSource:
         self.scheduler.load_state_dict(meta["curriculum"])
 
 
-def _sft_state(cfg, seed: int, *, params=None):
+def _pretrained(cfg) -> dict:
+    """`init_state`'s params and model_state (the sigmoid routers' selection biases) from the rl.init_from
+    checkpoint, laid out by cfg's runtime model fields."""
+    from flax import nnx
+
+    from model import hf, hf_config
+
+    _, model = hf.load_model(cfg.rl.init_from, overrides=hf_config.runtime_fields(cfg.model))
+    _, params, model_state = nnx.split(model, nnx.Param, ...)
+    return {"params": params, "model_state": model_state}
+
+
+def _sft_state(cfg, seed: int, *, params=None, model_state=None):
     """(model def, train state) with the SFT optimizer (rl.sft.optim over rl.optim)."""
     from rl import train_step
 
     sft_cfg = ml_collections.ConfigDict(cfg.to_dict())
     sft_cfg.rl.optim.update(dict(cfg.rl.sft.optim))
-    return train_step.init_state(sft_cfg, seed=seed, params=params)
+    return train_step.init_state(sft_cfg, seed=seed, params=params, model_state=model_state)
 
 
 def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed, env_kwargs):
@@ -394,8 +410,8 @@ def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed
     draft_cfg, draft_def, draft_state = draft
     sft_cfg = ml_collections.ConfigDict(cfg.to_dict())
     sft_cfg.rl.optim.update(dict(rl.sft.optim))
-    if not resumed:  # a fresh state: SFT has its own optimizer settings
-        _, state = _sft_state(cfg, rl.seed, params=state.params)
+    if not resumed:  # a fresh state: SFT has its own optimizer settings (the selection biases stay)
+        _, state = _sft_state(cfg, rl.seed, params=state.params, model_state=state.model_state)
     sft_def, _ = _sft_state(cfg, rl.seed, params=state.params)
     weights = {d: float(w) for d, w in rl.sft.weights.items()} or None
     t0 = time.perf_counter()
@@ -419,7 +435,9 @@ def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed
     )
     batches = []  # the draft model learns from the same tasks: record them for it
     next_tasks = lambda n: _recorded(batches, source.next_tasks(n, weights))
-    state, done = sft.run_sft(sft_cfg, sft_def, state, next_tasks, tokenizer, log=log, **common)
+    state, done = sft.run_sft(
+        sft_cfg, sft_def, state, next_tasks, tokenizer, log=log, mtp_weight=rl.sft.mtp_weight, **common
+    )
     if draft_state is not None:
         replay = iter(batches)
         draft_sft = ml_collections.ConfigDict(draft_cfg.to_dict())

@@ -40,6 +40,7 @@ micro-batches). The forward of a step routes with the bias as it was before the 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -55,6 +56,7 @@ from configs import schema
 from configs.schema import Float, Int
 from model import seeds, sharding
 from model.moe import update_bias_state
+from model.mtp import mtp_loss
 from model.transformer import Transformer, build, next_token_loss
 from rl import grpo
 
@@ -321,12 +323,21 @@ def _is_extreme(name: str) -> bool:
     return name.endswith("_max") or name.endswith("_min")
 
 
-def _sft_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
-    """`w * masked next-token cross-entropy + moe_loss / M` of one micro-batch."""
-    logits_BTV, aux = _as_model_def(graphdef).merge(params)(mb["tokens_BT"], mb["positions_BT"])
+def _sft_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int, *, mtp_weight: float = 0.0):
+    """`w * masked next-token cross-entropy + moe_loss / M` of one micro-batch, plus `mtp_weight * w *`
+    the MTP modules' loss (`model.mtp.mtp_loss`) on the same masked tokens when mtp_weight > 0."""
+    model = _as_model_def(graphdef).merge(params)
+    logits_BTV, aux = model(mb["tokens_BT"], mb["positions_BT"])
     ce = w * next_token_loss(logits_BTV, mb["tokens_BT"], mb["mask_BT"])
     moe = aux["moe_loss"] / num_micro
-    return ce + moe, _with_load({"loss": ce + moe, "cross_entropy": ce, "moe_loss": moe}, aux)
+    metrics = {"cross_entropy": ce, "moe_loss": moe}
+    loss = ce + moe
+    if mtp_weight:
+        logits_DBTV = model.mtp_logits(aux["hidden"], mb["tokens_BT"], mb["positions_BT"])
+        metrics["mtp_loss"] = w * mtp_loss(logits_DBTV, mb["tokens_BT"], mb["mask_BT"])
+        loss = loss + mtp_weight * metrics["mtp_loss"]
+    metrics["loss"] = loss
+    return loss, _with_load(metrics, aux)
 
 
 def _units_M(aggregation: str, mask_MBT: jax.Array) -> jax.Array:
@@ -454,12 +465,24 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shard
     return _make_step(cfg, graphdef, mesh, grpo_batch_keys(cfg), _grpo_loss, units)
 
 
-def make_sft_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
+def make_sft_step(
+    cfg: ml_collections.ConfigDict,
+    graphdef,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    mtp_weight: float = 0.0,
+):
     """`step_fn(state, batch) -> (state, metrics)`: one supervised update on the masked tokens of
-    tokens_BT (cross-entropy + moe_loss), same state and optimizer as GRPO; routing is never replayed."""
+    tokens_BT (cross-entropy + moe_loss, + mtp_weight * mtp_loss: rl.sft.mtp_weight for the warm start),
+    same state and optimizer as GRPO; routing is never replayed."""
+    if mtp_weight and not cfg.model.mtp_layers:
+        raise ValueError(f"mtp_weight={mtp_weight} needs MTP modules (model.mtp_layers > 0)")
     # The target of position t is token t + 1, counted where mask[:, t + 1]: micro-batches weigh by those.
+    # So does the MTP loss: depth k's targets are the same masked tokens less any at index <= k (none in a row
+    # that starts with a prompt of more than k tokens).
     units = lambda mask_MBT: mask_MBT[:, :, 1:].sum(axis=(1, 2))
-    return _make_step(cfg, graphdef, mesh, SFT_KEYS, _sft_loss, units)
+    loss = functools.partial(_sft_loss, mtp_weight=float(mtp_weight))
+    return _make_step(cfg, graphdef, mesh, SFT_KEYS, loss, units)
 
 
 def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):

@@ -3,10 +3,13 @@
 `validate(cfg)` raises a `ConfigError` naming the first bad field and the fix: every field against its table
 (`configs.base.MODEL`, `configs.grpo.RL`: type, range, choices; unknown names refused), then the rules that
 tie fields together (divisors of the batch, domains named in two places, environment kwargs against the
-constructor, the engine's sizes, the draft model). `rl.train` (and `rl.sft` through it) calls it first.
+constructor, the engine's sizes, the draft model, the MTP loss). `rl.train` (and `rl.sft` through it) calls
+it first. With rl.init_from the model fields checked are the checkpoint's (`init_from_config`).
 """
 
 from __future__ import annotations
+
+import os
 
 import ml_collections
 
@@ -53,6 +56,40 @@ def draft_model_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigD
     return draft
 
 
+def init_from_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The config the main job runs with rl.init_from (cfg itself when it is ""): a copy whose `model` is
+    the checkpoint's (`model.hf.read_config`, keeping this config's `model.hf_config.RUNTIME_FIELDS`), with
+    `hf` (its architecture and config.json, what `rl.export` writes back) and rl.tokenizer set to the
+    directory when that is "" and the directory holds a tokenizer.json."""
+    from model import hf, hf_config
+
+    path = cfg.rl.init_from
+    if not path:
+        return cfg
+    _check(
+        os.path.isdir(path),
+        "init_from",
+        path,
+        "is not a directory; give a Hugging Face checkpoint directory (config.json, *.safetensors)",
+    )
+    _check(
+        os.path.isfile(os.path.join(path, "config.json")),
+        "init_from",
+        path,
+        "holds no config.json; give a Hugging Face checkpoint directory (config.json, *.safetensors)",
+    )
+    try:
+        ckpt = hf.read_config(path, overrides=hf_config.runtime_fields(cfg.model))
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"rl.init_from={path!r}: {e}") from None
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.model = ckpt.model
+    out.hf = ckpt.hf
+    if not out.rl.tokenizer and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        out.rl.tokenizer = path
+    return out
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first field that cannot work (see the module docstring)."""
     from configs import grpo as grpo_config
@@ -61,9 +98,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     from model import config as model_config
     from rl import curriculum, grpo, train_step
 
+    schema.check(cfg.rl, grpo_config.RL, "rl")
+    cfg = init_from_config(cfg)
     rl = cfg.rl
     model_config.validate_model(cfg.model)
-    schema.check(rl, grpo_config.RL, "rl")
     rows = rl.prompts_per_step * rl.group_size
     _check(
         rows % rl.mini_batches == 0,
@@ -88,6 +126,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         "routing_replay",
         rl.routing_replay,
         "needs an MoE model (model.moe.num_experts > 0): a dense model has no routing to replay",
+    )
+    _check(
+        rl.sft.mtp_weight == 0 or cfg.model.mtp_layers > 0,
+        "sft.mtp_weight",
+        rl.sft.mtp_weight,
+        "needs multi-token-prediction modules (model.mtp_layers > 0; with rl.init_from, the checkpoint's "
+        f"num_nextn_predict_layers); the model has {cfg.model.mtp_layers}",
     )
     _check_domains(cfg, registry, curriculum)
     _check_engine(cfg)

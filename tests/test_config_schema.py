@@ -61,13 +61,16 @@ def test_engine_seed_of_any_size():
 # --- every config file passes its schema -------------------------------------------------------------------
 
 
+ARGS = {"grpo": ("tiny", "small", *grpo.VARIANTS, "test,deepseek"), "tiny": (None, "dense", "deepseek")}
+
+
 def _config_files():
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
         name = os.path.basename(path)[:-3]
         if name in ("__init__", "schema"):
             continue
         module = importlib.import_module(f"configs.{name}")
-        for arg in ("tiny", "small", *grpo.VARIANTS) if name == "grpo" else (None,):
+        for arg in ARGS.get(name, (None,)):
             yield f"{name}:{arg}", module.get_config(arg)
 
 
@@ -80,7 +83,8 @@ def test_every_config_file_passes_the_schema():
         if "rl" in cfg:
             validate.validate(cfg)
         names.append(name)
-    assert {"base:None", "tiny:None", "grpo:demo", "grpo:test", "grpo:small"} <= set(names)
+    assert {"base:None", "tiny:None", "tiny:deepseek", "grpo:demo", "grpo:test", "grpo:small"} <= set(names)
+    assert "grpo:test,deepseek" in names
 
 
 def test_tables_give_the_config_files_defaults():

@@ -1,0 +1,95 @@
+"""python -m rl.export --workdir=runs/tiny --out=exported [--step=N]
+
+A run's train state (its latest checkpoint, or `--step`) as a Hugging Face checkpoint that transformers'
+`from_pretrained` and `model.hf.load` read:
+
+- the weights by `model.hf.save`: the params, the sigmoid routers' selection biases
+  (`e_score_correction_bias`, from `TrainState.model_state`) and the multi-token-prediction modules;
+- config.json: the rl.init_from checkpoint's, updated with the run's model fields (the run's `hf` block, kept
+  in `<workdir>/config.json`); a run of our own model gets its `model.hf_config.default_architecture`;
+- the tokenizer files, when the run used a Hugging Face tokenizer directory (rl.tokenizer, which
+  rl.init_from sets to the checkpoint's when it has one).
+
+The run's config and checkpoint are read as `rl.evaluate` reads them (`load_run_config`, `restore_state`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+# What `model.tokenizer.HFTokenizer.from_dir` reads (generation_config.json: extra stop ids), and the slow
+# tokenizer files transformers reads when tokenizer.json is absent.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "additional_chat_templates",
+    "generation_config.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def copy_tokenizer(source: str, out: str) -> list[str]:
+    """Copies the `TOKENIZER_FILES` present in the directory `source` into `out`; returns their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = os.path.join(source, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(out, name), dirs_exist_ok=True)
+        elif os.path.isfile(path):
+            shutil.copy2(path, os.path.join(out, name))
+        else:
+            continue
+        copied.append(name)
+    return copied
+
+
+def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) -> dict[str, Any]:
+    """Writes the checkpoint of `workdir` at `step` (default: the latest) into `out` as a Hugging Face
+    checkpoint; returns {"step", "tokenizer_files"}. `cfg`: the run's config (default:
+    `<workdir>/config.json`)."""
+    from model import hf
+    from rl import evaluate, train_step
+
+    cfg = cfg if cfg is not None else evaluate.load_run_config(workdir)
+    state, meta = evaluate.restore_state(cfg, workdir, step)
+    hf.save(cfg, train_step.weights(state), out)
+    tokenizer = cfg.rl.tokenizer
+    files = copy_tokenizer(tokenizer, out) if tokenizer and os.path.isdir(tokenizer) else []
+    return {"step": meta.get("step"), "tokenizer_files": files}
+
+
+def main() -> None:
+    from absl import app, flags
+
+    # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
+    # import it first, and let ours replace its --workdir.
+    from rl import train  # noqa: F401
+
+    workdir = flags.DEFINE_string(
+        "workdir", None, "Run directory (config.json, checkpoints/).", allow_override=True
+    )
+    out = flags.DEFINE_string("out", None, "Directory to write the Hugging Face checkpoint into.")
+    step = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.mark_flags_as_required(["workdir", "out"])
+
+    def _main(argv: Sequence[str]) -> None:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        report = export(workdir.value, out.value, step=step.value)
+        extra = f" and {len(report['tokenizer_files'])} tokenizer files" if report["tokenizer_files"] else ""
+        print(f"wrote step {report['step']}{extra} to {out.value}", file=sys.stderr)
+
+    app.run(_main)
+
+
+if __name__ == "__main__":
+    main()
