@@ -8,7 +8,8 @@ proposes k tokens, verifies them with one target forward over k + 1 positions an
 the first rejection.
 
 Streaming use: `submit` queues requests, `step` runs one scheduler step and returns the completions that
-finished; `generate` is submit + step until done. `update_params` may be called between steps: sequences in
+finished, `in_flight` shows how far the unfinished ones got and `cancel` drops a request (its pages freed);
+`generate` is submit + step until done. `update_params` may be called between steps: sequences in
 flight continue with the new weights (their cached K/V stays), each token keeps the log-prob it was sampled
 with, and `Completion.policy_versions` says which version sampled each token. `update_draft_params` swaps a
 `ModelDrafter`'s weights the same way.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +226,49 @@ class Engine(Scheduler):
                     self._waiting[c.request_id].append(c)
             return done
 
+    def in_flight(self) -> list[Completion]:
+        """Every unfinished sample of every submitted request as far as it got (running, queued or
+        preempted; `finish_reason` ""): copies, for a driver that streams tokens between steps."""
+        with self._lock:
+            seqs = [s for s in self._slots if s is not None] + list(self._queue)
+            return [
+                Completion(
+                    s.prompt_index,
+                    list(s.tokens),
+                    list(s.logprobs),
+                    "",
+                    s.sample,
+                    list(s.raw),
+                    list(s.versions),
+                    s.request_id,
+                )
+                for s in seqs
+            ]
+
+    def cancel(self, request_id: int, samples: Collection[int] | None = None) -> int:
+        """Drops the unfinished samples of a submitted request (all, or those in `samples`), queued or
+        running, and frees their pages; returns how many it dropped (0 for an unknown or finished request).
+        For `submit` / `step` drivers (a server whose client went away); a `generate` call must not wait on
+        the request."""
+        with self._lock:
+            hit = lambda s: s.request_id == request_id and (samples is None or s.sample in samples)
+            dropped = [s for s in self._queue if hit(s)]
+            self._queue = collections.deque(s for s in self._queue if not hit(s))
+            for b, s in enumerate(self._slots):
+                if s is not None and hit(s):
+                    dropped.append(s)
+                    self._slots[b] = None
+            for seq in dropped:
+                if seq.id in self.table:  # (a queued or preempted sequence holds no pages)
+                    self.table.free(seq.id)
+                group = self._groups.get(request_id)
+                if group is not None and group.finish():
+                    del self._groups[request_id]
+            if request_id in self._holders and not any(q.request_id == request_id for q in self._queue):
+                self.table.free(self._holders.pop(request_id))
+            self._stats["cancelled"] += len(dropped)
+            return len(dropped)
+
     def score(
         self,
         prompts: Sequence[Sequence[int]],
@@ -346,6 +390,8 @@ class Engine(Scheduler):
         s["policy_version"] = self.version
         s["prefix_cache"] = self.prefix.stats()
         s["free_pages"] = self.pool.num_free
+        s["running"] = self._num_active()  # sequences in decode slots
+        s["queued"] = len(self._queue)  # sequences waiting for a slot (preempted ones included)
         return s
 
     # --- scheduling ------------------------------------------------------------------------------------
