@@ -162,8 +162,9 @@ def _rl_table() -> dict:
         "engine.cache_dtype": Choice("", 'KV cache dtype ("": model.compute_dtype)', ("", *DTYPES)),
         "engine.draft": Choice(
             "none",
-            "speculative drafter: none, ngram, group (the prompt's other samples), model",
-            ("none", "ngram", "group", "model"),
+            "speculative drafter: none, ngram, group (the prompt's other samples), model, mtp (the "
+            "model's own MTP head: model.mtp_layers >= 1)",
+            ("none", "ngram", "group", "model", "mtp"),
         ),
         "engine.num_draft": Int(4, "tokens proposed per speculative step", lo=1),
         "engine.draft_ngram": Int(3, "longest suffix matched by the ngram and group drafters", lo=1),

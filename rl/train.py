@@ -501,10 +501,12 @@ def unpack(tree):
 
 
 def _drafter(engine_cfg, draft_cfg, draft_state):
-    from inference import GroupDrafter, ModelDrafter, NgramDrafter
+    from inference import GroupDrafter, ModelDrafter, MTPDrafter, NgramDrafter
     from rl import train_step
 
     kind = engine_cfg.draft
+    if kind == "mtp":
+        return MTPDrafter()
     if kind == "ngram":
         return NgramDrafter(engine_cfg.draft_ngram)
     if kind == "group":

@@ -167,6 +167,12 @@ def _check_engine(cfg) -> None:
     rl = cfg.rl
     e = rl.engine
     engine_config(cfg)
+    _check(
+        e.draft != "mtp" or cfg.model.mtp_layers >= 1,
+        "engine.draft",
+        e.draft,
+        "needs multi-token-prediction modules: set model.mtp_layers >= 1 (or pick another drafter)",
+    )
     if e.draft == "model":
         from model import config as model_config
 

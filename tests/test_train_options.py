@@ -85,12 +85,14 @@ def test_routing_replay_with_group_drafter(tmp_path):
     assert max(r["engine/tokens_per_target_forward"] for r in steps) > 1.0
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model"])
+@pytest.mark.parametrize("draft", ["ngram", "model", "mtp"])
 def test_drafters_in_the_rollout(tmp_path, draft):
     from rl import train
 
     cfg = _cfg(async_rollout=draft == "ngram")
     cfg.rl.engine.draft = draft
+    if draft == "mtp":  # the model's own MTP head, trained by the warm start's MTP loss
+        cfg.model.mtp_layers, cfg.rl.sft.mtp_weight = 1, 1.0
     out = train.train(cfg, str(tmp_path), run_eval=False)
     assert out["steps"] == 3 and out["engine"]["compiles_after_warmup"] == 0
     steps = _steps(tmp_path)
@@ -110,6 +112,7 @@ def test_config_error_before_any_work(tmp_path):
         ("max_staleness", -1, "rl.max_staleness"),
         ("mini_batches", 3, "rl.mini_batches"),
         ("engine.draft", "medusa", "rl.engine.draft"),
+        ("engine.draft", "mtp", "rl.engine.draft='mtp' needs multi-token-prediction modules"),
         ("temperature", 0.0, "rl.temperature"),
     ]:
         cfg = _cfg()
