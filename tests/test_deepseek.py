@@ -268,3 +268,29 @@ def test_fp8_block_quantized_weights_dequantize_on_load(checkpoints, tmp_path):
     q_b = np.asarray(params["moe_layers"]["blocks"]["attn"]["q_b"][...])  # [L, Q, N, H]
     want = tensors["model.layers.1.self_attn.q_b_proj.weight"].T.reshape(q_b.shape[1:])
     np.testing.assert_allclose(q_b[0], want, rtol=2**-4, atol=1e-6)
+
+
+def test_sharded_load_on_8_devices_gives_the_same_logits(checkpoints):
+    """DeepSeek-V3 loaded straight onto a data 2 x expert 2 x tensor 2 mesh of the 8 fake CPU devices: the
+    routed experts split over `expert` and their hidden width over `tensor`, MLA's per-head up-projection
+    over `tensor` (heads), and the sharded forward gives transformers' logits."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from model import sharding
+
+    path, ref = checkpoints["qlora_groups"]
+    mesh = sharding.make_mesh({a: 1 for a in sharding.MESH_AXES} | {"data": 2, "expert": 2, "tensor": 2})
+    cfg, m = hf.load_model(path, mesh=mesh)
+    gate = m.moe_layers.blocks.mlp.gate[...]  # [L_moe, E, D, F]: ('layers', 'exp', 'embed', 'mlp')
+    assert gate.sharding.spec == PartitionSpec(None, "expert", None, "tensor")
+    assert gate.addressable_shards[0].data.shape == (2, 4, 32, 8)  # 2 MoE layers, 8 / 2 experts, 16 / 2
+    q_b = m.moe_layers.blocks.attn.q_b[...]  # [L_moe, q_lora, N, qk head]: heads over tensor
+    assert q_b.sharding.spec[2] == "tensor" and q_b.addressable_shards[0].data.shape[2] == 2
+    toks = np.random.RandomState(3).randint(0, VOCAB, (4, 10))
+    with jax.set_mesh(mesh):
+        spec = sharding.logical_to_spec(("act_batch", "act_length"), cfg.mesh.rules)
+        got = jax.jit(lambda m, t: m(t)[0])(m, jax.device_put(jnp.asarray(toks), NamedSharding(mesh, spec)))
+    with torch.no_grad():
+        want = ref(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(got), want, atol=LOGIT_ATOL, rtol=0)
