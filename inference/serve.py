@@ -136,7 +136,8 @@ class Server:
                 code="model_not_found",
             )
         fast = self.loops.get(self.fast_of.get(req.model, ""))
-        light = fast is not None and fast.ready.is_set() and fast.outstanding + req.n < self.route_fast_below
+        seqs = req.n * max(len(req.prompts), 1)
+        light = fast is not None and fast.ready.is_set() and fast.outstanding + seqs < self.route_fast_below
         return fast if light and req.seed is None else loop
 
     async def handle(self, request: Request, kind: str):
@@ -367,6 +368,7 @@ def main() -> None:
     max_seq_len = flags.DEFINE_integer("max_seq_len", 1024, "Prompt + completion tokens of one sequence.")
     page_size = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
     prefill_chunk = flags.DEFINE_integer("prefill_chunk", 256, "Longest prefill call (a power of two).")
+    prefill_batch = flags.DEFINE_integer("prefill_batch", 4, "Rows per prefill call (a power of two).")
     max_queue = flags.DEFINE_integer(
         "max_queue", 64, "Sequences that may wait beyond the decode slots (429 past)."
     )
@@ -405,6 +407,7 @@ def main() -> None:
             max_seq_len=max_seq_len.value,
             page_size=page_size.value,
             prefill_chunk=prefill_chunk.value,
+            prefill_batch=prefill_batch.value,
             num_draft=num_draft.value,
         )
         server = Server.build(

@@ -4,7 +4,8 @@ run several servers in one process).
 
 Per model (label `model`): queue depth (sequences accepted and not in a decode slot), running sequences,
 generated tokens (total, and per second over the last `WINDOW_S` seconds), requests by outcome, time to
-first token and time per output token histograms, and the engine's prefix-cache counters. Per server:
+first token and time per output token histograms, the engine's prefix-cache counters and its draft tokens
+proposed / accepted. Per server:
 rejected requests by HTTP status.
 """
 
@@ -78,7 +79,8 @@ class LoopMetrics:
 
 def render(models: Mapping[str, tuple[LoopMetrics, Mapping]], rejected: Mapping[int, int]) -> str:
     """The exposition text: `models` maps a model name to (its metrics, a snapshot of the engine loop's
-    gauges: queue_depth, running, prefix_lookups, prefix_lookup_tokens, prefix_hit_tokens)."""
+    gauges: queue_depth, running, prefix_lookups, prefix_lookup_tokens, prefix_hit_tokens,
+    draft_proposed_tokens, draft_accepted_tokens)."""
     now = time.monotonic()
     blocks: dict[str, tuple[str, str, list[str]]] = {}
 
@@ -134,6 +136,8 @@ def render(models: Mapping[str, tuple[LoopMetrics, Mapping]], rejected: Mapping[
             ("prefix_lookups", "prefix-cache lookups"),
             ("prefix_hit_tokens", "prompt tokens whose K/V came from the prefix cache"),
             ("prefix_lookup_tokens", "prompt tokens looked up in the prefix cache"),
+            ("draft_proposed_tokens", "draft tokens proposed (fast variant)"),
+            ("draft_accepted_tokens", "draft tokens the target accepted (fast variant)"),
         ):
             add(
                 f"serve_{key}_total",

@@ -3,7 +3,8 @@
 `TextStream` turns one sample's tokens, fed one at a time as the engine emits them, into the text a client
 sees. Decoding is incremental (the prefix-offset scheme of Hugging Face's text-generation-inference): a
 token's text is the growth of `decode(tokens[prefix:])` over `decode(tokens[prefix:read])`, and is held while
-it ends in U+FFFD (a multi-byte character cut between tokens; the byte tokenizer makes one token per byte).
+it ends in U+FFFD (a multi-byte character cut between tokens; the byte tokenizer makes one token per byte),
+for at most `MAX_HELD_TOKENS` tokens.
 
 Stop strings are searched in the decoded text, so they match across token boundaries. Text that could be the
 start of a stop string is held back until it either completes the stop (the text is cut before it and the
@@ -21,6 +22,9 @@ from typing import NamedTuple
 from model.tokenizer import ByteTokenizer, Tokenizer
 
 REPLACEMENT = "\ufffd"
+# Tokens held for an incomplete character at most: a UTF-8 character is at most 4 bytes, so 4 tokens that
+# still end in U+FFFD are invalid bytes or ids that decode to U+FFFD (unused ids), never a split character.
+MAX_HELD_TOKENS = 4
 
 
 class Token(NamedTuple):
@@ -59,7 +63,8 @@ class TextStream:
         self.tokens.append(Token(token, self._token_text(token), self._token_bytes(token), logprob, offset))
         prefix = self._decode(self.ids[self._prefix : self._read])
         full = self._decode(self.ids[self._prefix :])
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+        held = len(self.ids) - self._read
+        if len(full) > len(prefix) and (not full.endswith(REPLACEMENT) or held >= MAX_HELD_TOKENS):
             self._append(full[len(prefix) :])
             self._prefix, self._read = self._read, len(self.ids)
 

@@ -562,7 +562,7 @@ def test_engine_cancel_with_group_drafter(weights):
 # --- text: stop strings and incremental decoding -----------------------------------------------------------
 
 
-def _feed(stream: TextStream, text: bytes | str) -> list[str]:
+def _feed(stream: TextStream, text: bytes | str | list[int]) -> list[str]:
     out = []
     for b in text.encode() if isinstance(text, str) else text:
         stream.add(b, -1.0)
@@ -595,6 +595,9 @@ def test_text_stream_decodes_split_characters_and_hides_stop_tokens():
     assert _feed(s, b"a\xe2\x82") == ["a", "", ""]
     _feed(s, b"\xac")
     assert s.stopped and s.text == "a"
+    # Bytes that never complete a character, and unused ids (U+FFFD alone), are held for 4 tokens at most.
+    assert _feed(TextStream(TOK), b"\x80\x80\x80\x80a") == ["", "", "", "\ufffd" * 4, "a"]
+    assert _feed(TextStream(ByteTokenizer(512)), [300, 301, 302, 303]) == ["", "", "", "\ufffd" * 4]
     s = TextStream(TOK)
     _feed(s, b"\xe2\x82")  # cut: finish shows what is there
     s.finish()
