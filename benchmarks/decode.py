@@ -15,7 +15,8 @@ with every headline figure, its target and whether it was met:
   forward vs (1 - a^(k+1)) / (1 - a), wall-clock speedup over plain decoding, greedy outputs identical,
   chi-square of the first two tokens (T=1, plain and speculative) against the target's exact distribution;
   then NgramDrafter(3) on repetitive prompts (greedy walks of the chain).
-- peer: our tok/s vs transformers `generate` (/work/shared/peers/hf_generate_bench.py, a subprocess) on the
+- peer: our tok/s vs transformers `generate` (--peer_script, default ../shared/peers/hf_generate_bench.py
+  beside this checkout, a subprocess) on the
   same shapes: 16 x 32-token prompts, 64 new tokens, T=1, dense and MoE.
 - recompiles: stats()["compiles_after_warmup"] of every engine above (all must be 0).
 
@@ -49,7 +50,10 @@ from inference.sampling import SamplingParams
 from model import plan
 
 SECTIONS = ("cache", "continuous", "prefill", "speculative", "peer")
-PEER_SCRIPT = "/work/shared/peers/hf_generate_bench.py"
+# The peers' scripts live in the shared folder beside the checkout (`--peer_script` points elsewhere).
+PEER_SCRIPT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers", "hf_generate_bench.py"
+)
 # Peer dims (the peers' README figures use them): 4 layers, d_model 256, 4/2 heads of 64, vocab 8192.
 PEER_DIMS = dict(layers=4, d_model=256, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=8192)
 PEER_MOE = dict(experts=8, top_k=2, expert_ffn=256)
@@ -572,7 +576,10 @@ def main() -> None:
     p.add_argument("--chi2_samples", type=int, default=512)
     p.add_argument("--peer_archs", default="qwen3,qwen3moe")
     p.add_argument("--peer_repeats", type=int, default=3)
+    p.add_argument("--peer_script", default=PEER_SCRIPT, help="transformers peer: hf_generate_bench.py")
     a = p.parse_args()
+    global PEER_SCRIPT
+    PEER_SCRIPT = a.peer_script
     chosen = [s for s in a.sections.split(",") if s]
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:

@@ -25,7 +25,8 @@ train_step_mfu  MFU of the GRPO train step (`rl.train_step.make_train_step`) on 
                 `model.plan.flops_per_token(cfg, seq_len, training=True)`, peak from `matmul_peak.measure()`
                 in this process. The config's 128 x 512 batch takes minutes a step on a 2-core CPU, so
                 `--mfu_batch` (default 8: the batch of benchmarks/train_step.py's small rows) replaces it.
-peer            `/work/shared/peers/tunix_grpo_step_bench.py`, only when `tunix` imports; else why not.
+peer            `--peer_script` (default ../shared/peers/tunix_grpo_step_bench.py beside this checkout), only
+                when `tunix` imports; else why not.
 mismatch        Train-inference mismatch of the main job on `configs/grpo.py:test` with bf16 compute, with and
                 without routing replay (`rl.routing_replay`): the same seed samples the same batches, so the
                 per-step `train/mismatch_kl` (k3 estimate of KL(sampler || trainer) on the sampled tokens)
@@ -71,7 +72,9 @@ from envs.domains import debug  # noqa: E402
 from model import plan  # noqa: E402
 
 SECTIONS = ("async", "mfu", "peer", "mismatch", "ppo", "drafters")
-PEER = "/work/shared/peers/tunix_grpo_step_bench.py"
+PEER = os.path.join(  # the shared folder beside the checkout; --peer_script points elsewhere
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers", "tunix_grpo_step_bench.py"
+)
 ASYNC_TARGET = 1.5
 SFT_STEPS = 4
 
@@ -290,10 +293,10 @@ def drafters(steps: int, sft_steps: int) -> dict:
 # --- peer ---------------------------------------------------------------------------------------------------
 
 
-def peer(quick: bool) -> dict:
+def peer(quick: bool, script: str = PEER) -> dict:
     if importlib.util.find_spec("tunix") is None:
         return {"skipped": "tunix is not installed in this interpreter (see the peer's docstring for setup)"}
-    command = [sys.executable, PEER, "--arch", "qwen3moe"] + (["--steps", "3"] if quick else [])
+    command = [sys.executable, script, "--arch", "qwen3moe"] + (["--steps", "3"] if quick else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -304,6 +307,7 @@ def peer(quick: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     p.add_argument("--sections", default="async,mfu,peer", help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--peer_script", default=PEER, help="the Tunix peer: tunix_grpo_step_bench.py")
     p.add_argument("--steps", type=int, default=16, help="GRPO steps per mode (async_vs_sync)")
     p.add_argument("--delay_median_ms", type=float, default=50.0, help="median verifier delay")
     p.add_argument("--env_workers", type=int, default=4, help="environment worker processes")
@@ -331,7 +335,7 @@ def main() -> None:
     if "mfu" in chosen:
         line["train_step_mfu"] = train_step_mfu(a.mfu_batch, a.mfu_seq_len, a.mfu_steps)
     if "peer" in chosen:
-        line["peer"] = peer(a.quick)
+        line["peer"] = peer(a.quick, a.peer_script)
     if "mismatch" in chosen:
         line["mismatch"] = mismatch(a.mismatch_steps)
     if "ppo" in chosen:
