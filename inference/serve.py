@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -343,10 +344,16 @@ def main() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
+    if any(arg.lstrip("-").startswith("workdir") for arg in sys.argv[1:]):
+        # Restoring a run imports rl.train, whose module defines --config and --workdir: import it first and
+        # let ours replace them (as rl.evaluate's CLI does).
+        from rl import train  # noqa: F401
     config = config_flags.DEFINE_config_file(
-        "config", None, "Model config (random weights), e.g. configs/tiny.py."
+        "config", None, "Model config (random weights), e.g. configs/tiny.py.", allow_override=True
     )
-    workdir = flags.DEFINE_string("workdir", None, "A training run directory (config.json, checkpoints/).")
+    workdir = flags.DEFINE_string(
+        "workdir", None, "A training run directory (config.json, checkpoints/).", allow_override=True
+    )
     step = flags.DEFINE_integer("step", None, "With --workdir: the checkpoint step (default: the latest).")
     hf_dir = flags.DEFINE_string("hf_dir", None, "A Hugging Face checkpoint directory.")
     tokenizer = flags.DEFINE_string(

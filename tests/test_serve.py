@@ -3,7 +3,8 @@
 One server (tiny config, random weights, the engine sizes of tests/test_engine.py so the compiled steps are
 shared) serves `tiny` and `tiny-fast` (n-gram drafter) for the whole module; a reference `Engine` over the
 same weights gives the expected tokens and log-probs. Also here: `Engine.cancel` / `Engine.in_flight` (the
-engine API the server needs), `serve_text.TextStream` by hand, loading a run directory and an HF directory.
+engine API the server needs), `serve_text.TextStream` by hand, loading a run directory (also through the CLI)
+and an HF directory.
 """
 
 import concurrent.futures
@@ -623,21 +624,28 @@ def test_load_hf_directory(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_load_run_directory(tmp_path):
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A training run directory as rl.train leaves it: config.json and a checkpoint at step 3."""
     from configs import grpo
     from rl import checkpoint, train_step
 
     cfg = grpo.get_config("test")
-    workdir = tmp_path / "run"
+    workdir = tmp_path_factory.mktemp("serve") / "run"
     workdir.mkdir()
     (workdir / "config.json").write_text(cfg.to_json_best_effort())
-    _, state = train_step.init_state(cfg, seed=7)
+    _, state = train_step.init_state(cfg, seed=7)  # not the run's seed: the restored weights are these
     with checkpoint.Checkpointer(str(workdir / "checkpoints"), save_every=1, model_config=cfg.model) as ckpt:
         ckpt.save(3, state, {"step": 3, "version": 0}, force=True)
         ckpt.wait()
+    return workdir, train_step.weights(state)
+
+
+def test_load_run_directory(run_dir):
+    workdir, weights = run_dir
     loaded = serve.load_run(str(workdir))
-    assert loaded.name == "run"
-    for a, b in zip(jax_leaves(loaded.weights), jax_leaves(train_step.weights(state))):
+    assert loaded.name == "run" and isinstance(loaded.tokenizer, ByteTokenizer)
+    for a, b in zip(jax_leaves(loaded.weights), jax_leaves(weights)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -647,8 +655,9 @@ def jax_leaves(tree):
     return jax.tree.leaves(tree)
 
 
-def test_cli_serves_a_config(tmp_path):
-    """`python -m inference.serve --config=...` in a subprocess: health, one completion, clean exit."""
+def test_cli_serves_a_run(run_dir):
+    """`python -m inference.serve --workdir=RUN` in a subprocess: the run's model, one completion, exit."""
+    workdir, _ = run_dir
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -663,7 +672,7 @@ def test_cli_serves_a_config(tmp_path):
         sys.executable,
         "-m",
         "inference.serve",
-        "--config=configs/tiny.py",
+        f"--workdir={workdir}",
         f"--port={port}",
         "--draft=none",
         "--nowarmup",
@@ -681,12 +690,12 @@ def test_cli_serves_a_config(tmp_path):
 
         def up():
             try:
-                return [m.id for m in c.models.list()] == ["tiny"]
+                return [m.id for m in c.models.list()] == ["run"]
             except openai.APIConnectionError:
                 return False
 
         assert _poll(up, 120, 0.5), proc.stdout.read1().decode() if proc.poll() is not None else "not up"
-        r = c.completions.create(model="tiny", prompt="cli", max_tokens=4, extra_body={"ignore_eos": True})
+        r = c.completions.create(model="run", prompt="cli", max_tokens=4, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 4
     finally:
         proc.terminate()
