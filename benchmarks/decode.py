@@ -559,6 +559,7 @@ def peer_engine_kwargs() -> dict:
 
 
 def main() -> None:
+    global PEER_SCRIPT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run, not the figures)")
@@ -578,7 +579,6 @@ def main() -> None:
     p.add_argument("--peer_repeats", type=int, default=3)
     p.add_argument("--peer_script", default=PEER_SCRIPT, help="transformers peer: hf_generate_bench.py")
     a = p.parse_args()
-    global PEER_SCRIPT
     PEER_SCRIPT = a.peer_script
     chosen = [s for s in a.sections.split(",") if s]
     unknown = sorted(set(chosen) - set(SECTIONS))
