@@ -3,8 +3,8 @@
 `TextStream` turns one sample's tokens, fed one at a time as the engine emits them, into the text a client
 sees. Decoding is incremental (the prefix-offset scheme of Hugging Face's text-generation-inference): a
 token's text is the growth of `decode(tokens[prefix:])` over `decode(tokens[prefix:read])`, and is held while
-it ends in U+FFFD (a multi-byte character cut between tokens; the byte tokenizer makes one token per byte),
-for at most `MAX_HELD_TOKENS` tokens.
+it ends in U+FFFD because a multi-byte character is cut between tokens (the byte tokenizer makes one token
+per byte: there the cut is read off the bytes; other tokenizers hold at most `MAX_HELD_TOKENS` tokens).
 
 Stop strings are searched in the decoded text, so they match across token boundaries. Text that could be the
 start of a stop string is held back until it either completes the stop (the text is cut before it and the
@@ -22,8 +22,9 @@ from typing import NamedTuple
 from model.tokenizer import ByteTokenizer, Tokenizer
 
 REPLACEMENT = "\ufffd"
-# Tokens held for an incomplete character at most: a UTF-8 character is at most 4 bytes, so 4 tokens that
-# still end in U+FFFD are invalid bytes or ids that decode to U+FFFD (unused ids), never a split character.
+# Tokens held for an incomplete character at most (tokenizers other than the byte one, where the cut is
+# read off the bytes): a UTF-8 character is at most 4 bytes, so 4 tokens that still end in U+FFFD are
+# invalid bytes or ids that decode to U+FFFD alone (unused ids), not a split character.
 MAX_HELD_TOKENS = 4
 
 
@@ -63,8 +64,7 @@ class TextStream:
         self.tokens.append(Token(token, self._token_text(token), self._token_bytes(token), logprob, offset))
         prefix = self._decode(self.ids[self._prefix : self._read])
         full = self._decode(self.ids[self._prefix :])
-        held = len(self.ids) - self._read
-        if len(full) > len(prefix) and (not full.endswith(REPLACEMENT) or held >= MAX_HELD_TOKENS):
+        if len(full) > len(prefix) and not (full.endswith(REPLACEMENT) and self._incomplete()):
             self._append(full[len(prefix) :])
             self._prefix, self._read = self._read, len(self.ids)
 
@@ -103,6 +103,21 @@ class TextStream:
             self.text = self.text[:cut]
             self.tokens = [t for t in self.tokens if t.offset < cut]
             self.stopped = True
+
+    def _incomplete(self) -> bool:
+        """Whether the undecoded tail may still become a character. The byte tokenizer: exactly, when its
+        last bytes are a UTF-8 sequence cut short. Others: for `MAX_HELD_TOKENS` tokens at most."""
+        if not isinstance(self.tokenizer, ByteTokenizer):
+            return len(self.ids) - self._read < MAX_HELD_TOKENS
+        tail = self.ids[-3:]  # a cut sequence has at most 3 of its 4 bytes
+        for k in range(1, len(tail) + 1):
+            b = tail[-k]
+            need = 2 if 0xC2 <= b <= 0xDF else 3 if 0xE0 <= b <= 0xEF else 4 if 0xF0 <= b <= 0xF4 else 0
+            if need:  # the lead byte of the last character, followed by k - 1 continuation bytes
+                return need > k
+            if not 0x80 <= b <= 0xBF:  # ASCII, a special id or an invalid byte: nothing is cut
+                return False
+        return False
 
     def _held(self) -> int:
         """Length of the longest unreleased tail of the text that is a proper prefix of a stop string."""

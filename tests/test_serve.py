@@ -37,7 +37,7 @@ from inference import (  # noqa: E402
 )
 from inference.serve_loop import EngineLoop  # noqa: E402
 from inference.serve_text import TextStream  # noqa: E402
-from model.tokenizer import ByteTokenizer  # noqa: E402
+from model.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
 
 ECFG = EngineConfig(
     max_batch=4, max_seq_len=96, page_size=8, num_pages=96, prefill_chunk=32, prefill_batch=2, min_bucket=16
@@ -563,6 +563,21 @@ def test_engine_cancel_with_group_drafter(weights):
 # --- text: stop strings and incremental decoding -----------------------------------------------------------
 
 
+class _Replacing(Tokenizer):
+    """A minimal non-byte tokenizer: id 1 is "a", every other id decodes to U+FFFD."""
+
+    vocab_size, stop_ids = 4, ()
+
+    def encode(self, text, *, add_special_tokens=False):
+        return [1] * len(text)
+
+    def decode(self, ids, *, skip_special_tokens=False):
+        return "".join("a" if i == 1 else "\ufffd" for i in ids)
+
+    def apply_chat_template(self, messages, **kwargs):
+        return ""
+
+
 def _feed(stream: TextStream, text: bytes | str | list[int]) -> list[str]:
     out = []
     for b in text.encode() if isinstance(text, str) else text:
@@ -596,9 +611,11 @@ def test_text_stream_decodes_split_characters_and_hides_stop_tokens():
     assert _feed(s, b"a\xe2\x82") == ["a", "", ""]
     _feed(s, b"\xac")
     assert s.stopped and s.text == "a"
-    # Bytes that never complete a character, and unused ids (U+FFFD alone), are held for 4 tokens at most.
-    assert _feed(TextStream(TOK), b"\x80\x80\x80\x80a") == ["", "", "", "\ufffd" * 4, "a"]
-    assert _feed(TextStream(ByteTokenizer(512)), [300, 301, 302, 303]) == ["", "", "", "\ufffd" * 4]
+    # Bytes that cannot complete a character, and unused ids (U+FFFD alone), are not held.
+    assert _feed(TextStream(TOK), b"\x80\xff\xe2a") == ["\ufffd", "\ufffd", "", "\ufffda"]
+    assert _feed(TextStream(ByteTokenizer(512)), [300, 0xC3, 301]) == ["\ufffd", "", "\ufffd\ufffd"]
+    # Another tokenizer: a trailing U+FFFD is held for MAX_HELD_TOKENS tokens at most.
+    assert _feed(TextStream(_Replacing()), [1, 2, 2, 2, 2, 1]) == ["a", "", "", "", "\ufffd" * 4, "a"]
     s = TextStream(TOK)
     _feed(s, b"\xe2\x82")  # cut: finish shows what is there
     s.finish()
