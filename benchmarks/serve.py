@@ -9,14 +9,17 @@ share the machine's cores, as they would on one host.
 
 One JSON line per (config, variant, rate): requests, offered and achieved request rate, output tokens/s over
 the run (first send to last token), time to first token (send to the first streamed text) and time per
-output token ((last - first token) / (tokens - 1)) p50 / p99 in ms, end-to-end p50 / p99, 429s and other
-errors, the server's draft acceptance. Then one `serve_knee` line per (config, variant): the knee of the
-latency curve, the first offered rate whose TTFT p50 exceeds `KNEE_FACTOR` x that of the lowest rate (the
-server then queues faster than it serves), and the highest rate below it. Every line carries the command
-and `os.getloadavg()` (the machine is shared).
+output token ((last - first token) / (tokens - 1)) p50 / p99 in ms as the client sees them, end-to-end p50 /
+p99, 429s and other errors; from the server's /metrics around the point: draft acceptance and TTFT / TPOT
+p50 / p99 (`server_*`, Prometheus' histogram_quantile over the buckets, so as coarse as they are; they are
+measured in the engine thread, free of the client's own lag, which at high load reads chunks in bursts and
+so understates TPOT and overstates TTFT). Plain and fast alternate at each rate. Then one `serve_knee`
+line per (config, variant): the knee of the latency curve, the first offered rate whose client TTFT p50
+exceeds `KNEE_FACTOR` x that of the lowest rate (the server then queues faster than it serves), and the
+highest rate below it. Every line carries the command and `os.getloadavg()` (the machine is shared).
 
-Random weights: greedy decoding of an untrained model falls into repetitive loops, which the n-gram drafter
-predicts well, so the fast variant's gain here is an upper bound of what a trained model's text gives.
+Random weights: the n-gram drafter's acceptance depends on how repetitive the text is, and an untrained
+model's greedy text is neither a trained model's nor the drafter's best case.
 """
 
 from __future__ import annotations
@@ -104,13 +107,35 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def _draft_counts(port: int, model: str) -> tuple[float, float]:
+def server_counts(port: int, model: str) -> dict:
+    """The server's counters for `model` from /metrics: draft tokens and the TTFT / TPOT histogram buckets."""
     _, text = _get(f"http://127.0.0.1:{port}/metrics")
-    counts = []
+    lab = re.escape(f'model="{model}"')
+    out = {}
     for key in ("proposed", "accepted"):
-        m = re.search(rf'serve_draft_{key}_tokens_total\{{model="{re.escape(model)}"\}} ([0-9.e+]+)', text)
-        counts.append(float(m.group(1)) if m else 0.0)
-    return counts[0], counts[1]
+        m = re.search(rf"serve_draft_{key}_tokens_total\{{{lab}\}} ([0-9.e+]+)", text)
+        out[key] = float(m.group(1)) if m else 0.0
+    for key, name in (("ttft", "time_to_first_token"), ("tpot", "time_per_output_token")):
+        rows = re.findall(rf'serve_{name}_seconds_bucket\{{{lab},le="([^"]+)"\}} (\d+)', text)
+        out[key] = [(float(le), int(n)) for le, n in rows]
+    return out
+
+
+def histogram_quantile(q: float, before: list, after: list) -> float | None:
+    """Prometheus' histogram_quantile over the observations between two reads of cumulative buckets:
+    linear within the bucket holding the q-th observation (the highest finite bound past the last)."""
+    counts = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
+    total = counts[-1][1] if counts else 0
+    if not total:
+        return None
+    rank, lower, prev = q * total, 0.0, 0
+    for le, cum in counts:
+        if cum >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - prev) / max(cum - prev, 1)
+        lower, prev = le, cum
+    return lower
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int, start: float, t0: float) -> dict:
@@ -190,6 +215,21 @@ async def run_rate(port: int, model: str, rate: float, n: int, max_tokens: int, 
     return row
 
 
+def measure(port: int, model: str, rate: float, n: int, max_tokens: int, seed: int) -> dict:
+    """One rate point: the client's figures, and the server's from its /metrics around it."""
+    before = server_counts(port, model)
+    row = asyncio.run(run_rate(port, model, rate, n, max_tokens, seed=seed))
+    after = server_counts(port, model)
+    proposed = after["proposed"] - before["proposed"]
+    if proposed:
+        row["draft_acceptance"] = round((after["accepted"] - before["accepted"]) / proposed, 3)
+    for key in ("ttft", "tpot"):
+        for q in (50, 99):
+            x = histogram_quantile(q / 100, before[key], after[key])
+            row[f"server_{key}_p{q}_ms"] = None if x is None else round(1e3 * x, 2)
+    return row
+
+
 def knee(rows: list[dict]) -> dict:
     base = rows[0].get("ttft_p50_ms")
     for prev, row in zip([None, *rows], rows):
@@ -223,18 +263,15 @@ def main() -> None:
         )
         warmup_s = time.perf_counter() - t
         try:
-            by_variant = {}
-            for model in (name, name + "-fast"):
+            models = (name, name + "-fast")
+            for model in models:
                 asyncio.run(run_rate(port, model, 1.0, 2, setup["max_tokens"], seed=0))  # first-request costs
-                rows = []
-                for i, rate in enumerate(rates):
-                    n = int(np.clip(round(rate * seconds), 8, 128))
-                    before = _draft_counts(port, model)
-                    row = asyncio.run(run_rate(port, model, rate, n, setup["max_tokens"], seed=i))
-                    after = _draft_counts(port, model)
-                    proposed = after[0] - before[0]
-                    if proposed:
-                        row["draft_acceptance"] = round((after[1] - before[1]) / proposed, 3)
+            by_variant = {model: [] for model in models}
+            # Rates outer, variants inner: plain and fast run close in time (the machine's load drifts).
+            for i, rate in enumerate(rates):
+                n = int(np.clip(round(rate * seconds), 8, 128))
+                for model in models:
+                    row = measure(port, model, rate, n, setup["max_tokens"], seed=i)
                     row = {
                         "bench": "serve",
                         "config": name,
@@ -246,8 +283,7 @@ def main() -> None:
                         **row,
                     }
                     emit(row)
-                    rows.append(row)
-                by_variant[model] = rows
+                    by_variant[model].append(row)
             for model, rows in by_variant.items():
                 emit(
                     {
