@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# Tests run in two xdist workers (one per core on the reference 2-core machine).
-PYTEST_ARGS ?= -n 2 -m "not slow"
+# Tests run in two xdist workers (one per core on the reference 2-core machine). A test whose worker process
+# crashed (seen once: a segfault inside XLA's CPU compiler, in a worker ~430 tests old) runs once more on a
+# fresh worker; assertion failures and errors are never rerun (--only-rerun matches the crash report only).
+PYTEST_ARGS ?= -n 2 -m "not slow" --reruns 1 --only-rerun "crashed while running"
 
 .PHONY: demo test lint bench clean
 
