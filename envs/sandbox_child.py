@@ -351,6 +351,11 @@ def _watch_limit(spec: dict) -> int | None:
     return spec["limits"]["total_memory_bytes"] if spec["watch"] else None
 
 
+def _proc_inside(pid: int) -> str:
+    """The /proc that process `pid` sees (under its root): the run's own once its PID namespace mounts it."""
+    return os.path.join("/proc", str(pid), "root", "proc")
+
+
 def _run_namespaced(spec: dict) -> int:
     """C, own backend: the run's first user namespace (in which I is root) and its PID namespace."""
     uid, gid = os.getuid(), os.getgid()
@@ -363,7 +368,7 @@ def _run_namespaced(spec: dict) -> int:
         os.close(EVENTS_FD)
         _never_return(_init, spec, status_w, uid, gid)
     os.close(status_w)
-    init_status = _wait(init, _watch_limit(spec), f"/proc/{init}/root/proc")
+    init_status = _wait(init, _watch_limit(spec), _proc_inside(init))
     reported = os.read(status_r, 64)
     return int(reported) if reported else init_status
 
@@ -385,7 +390,7 @@ def _run_bwrap(spec: dict) -> int:
         info += chunk
     os.close(info_r)
     child = re.search(rb'"child-pid":\s*(\d+)', info)
-    status = _wait(pid, _watch_limit(spec), f"/proc/{int(child[1])}/root/proc" if child else None)
+    status = _wait(pid, _watch_limit(spec), _proc_inside(int(child[1])) if child else None)
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
     if 128 < code < 128 + signal.NSIG:  # bwrap's way to say the command died from signal code - 128
         return code - 128
