@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
+from chi_square import chi_square
 from flax import nnx
 
 import model
@@ -217,17 +218,6 @@ def _exact_pairs(forward, params, prompt, sp):
     }
 
 
-def _chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
-    cells = sorted(probs, key=probs.get, reverse=True)
-    big = [c for c in cells if probs[c] * n >= 5]
-    rest = [c for c in cells if c not in big]
-    obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in rest)]
-    exp = [probs[c] * n for c in big] + [sum(probs[c] for c in rest) * n]
-    assert sum(counts.values()) == n and set(counts) <= set(probs), "a sample outside the support"
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
-    return stat, len(big) - (0 if rest else 1)
-
-
 def test_speculative_sampling_matches_the_exact_distribution(target, forward):
     """Chi-square over the first two tokens (temperature .8, top-k 3, top-p .95) with a draft model that
     partly agrees with the target (its weights are 90% the target's), so acceptance and the residual both
@@ -255,7 +245,7 @@ def test_speculative_sampling_matches_the_exact_distribution(target, forward):
         return counts, eng.stats()["acceptance_rate"]
 
     counts, acceptance = run("residual")
-    stat, dof = _chi_square(counts, exact, n)
+    stat, dof = chi_square(counts, exact, n)
     assert 0.2 < acceptance < 0.95, acceptance  # both paths exercised
     assert stat < scipy.stats.chi2.ppf(1 - alpha, dof), (stat, dof)
 
@@ -276,7 +266,7 @@ def test_speculative_sampling_matches_the_exact_distribution(target, forward):
     first = {}
     for (a, _), k in biased_counts.items():
         first[(a,)] = first.get((a,), 0) + k
-    stat1, dof1 = _chi_square(first, {(int(a),): p[a] for a in np.flatnonzero(support)}, n)
+    stat1, dof1 = chi_square(first, {(int(a),): p[a] for a in np.flatnonzero(support)}, n)
     assert stat1 > scipy.stats.chi2.ppf(1 - alpha, dof1), (stat1, dof1)
 
 
@@ -305,7 +295,7 @@ def test_group_drafter_sampling_matches_the_exact_distribution(target, forward):
         return counts, eng.stats()["acceptance_rate"]
 
     counts, acceptance = run("residual")
-    stat, dof = _chi_square(counts, exact, n)
+    stat, dof = chi_square(counts, exact, n)
     assert 0.2 < acceptance < 0.95, acceptance  # both paths exercised
     assert stat < scipy.stats.chi2.ppf(1 - alpha, dof), (stat, dof)
 
@@ -324,7 +314,7 @@ def test_group_drafter_sampling_matches_the_exact_distribution(target, forward):
     first = {}
     for (a, _), k in biased_counts.items():
         first[(a,)] = first.get((a,), 0) + k
-    stat1, dof1 = _chi_square(first, {(int(a),): p[a] for a in np.flatnonzero(support)}, n)
+    stat1, dof1 = chi_square(first, {(int(a),): p[a] for a in np.flatnonzero(support)}, n)
     assert stat1 > scipy.stats.chi2.ppf(1 - alpha, dof1), (stat1, dof1)
 
 

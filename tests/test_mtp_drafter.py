@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 import scipy.stats
+from chi_square import chi_square
 from flax import nnx
 
 import model
@@ -175,7 +176,7 @@ def test_sampling_matches_the_exact_distribution(toy, forward):
         return counts, eng.stats()["acceptance_rate"]
 
     counts, acceptance = run("residual")
-    stat, dof = _chi_square(counts, exact, n)
+    stat, dof = chi_square(counts, exact, n)
     assert 0.2 < acceptance < 0.97, acceptance  # acceptance and the residual both matter
     assert stat < scipy.stats.chi2.ppf(1 - alpha, dof), (stat, dof)
 
@@ -186,20 +187,8 @@ def test_sampling_matches_the_exact_distribution(toy, forward):
     power = 1 - scipy.stats.ncx2.cdf(scipy.stats.chi2.ppf(1 - alpha, df), df, lam)
     assert power > 0.99, (power, lam)
     biased_counts, _ = run("p")
-    stat_b, dof_b = _chi_square(biased_counts, exact, n)
+    stat_b, dof_b = chi_square(biased_counts, exact, n)
     assert stat_b > scipy.stats.chi2.ppf(1 - alpha, dof_b), (stat_b, dof_b)
-
-
-def _chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
-    """Pearson's statistic over the cells with expected count >= 5 (the rest pooled) and its dof."""
-    cells = sorted(probs, key=probs.get, reverse=True)
-    big = [c for c in cells if probs[c] * n >= 5]
-    rest = [c for c in cells if c not in big]
-    obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in rest)]
-    exp = [probs[c] * n for c in big] + [sum(probs[c] for c in rest) * n]
-    assert sum(counts.values()) == n and set(counts) <= set(probs), "a sample outside the support"
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
-    return stat, len(big) - (0 if rest else 1)
 
 
 def test_mtp_drafter_needs_mtp_modules():
