@@ -7,7 +7,10 @@ random token:
                any open of either, through any path, is a read
     listeners  a TCP socket on 127.0.0.1 and an abstract Unix socket: any connection accepted
     decoy      a host process (`sleep`, as the sandboxed uid) whose command line names the listeners and the
-               canaries: a probe that can see host processes finds it, follows those leads and kills it
+               canaries: a probe that can see host processes finds it, follows those leads and kills it.
+               It follows its own watch's decoy only (the one naming its `_UNIX`): probes run at once (in
+               parallel tests, or workers at a weak level) would otherwise trip each other's bait, and
+               one watch would report what another watch's probe did
 
 The probe's source starts with `Watch.preamble()` (`_TOKEN`, `_PORT`, `_UNIX`, `_CANARIES`, and `_GOAL`: 2 x
 the run's total memory limit, what the memory and fill probes try to hold); every file it creates and every
@@ -125,8 +128,8 @@ for _pid in os.listdir("/proc"):
             _argv = _f.read().decode(errors="replace").replace("\\0", " ").split()
     except OSError:
         continue
-    if not _argv or _argv[0] != "{DECOY}":
-        continue
+    if not _argv or _argv[0] != "{DECOY}" or "@" + _UNIX not in _argv:
+        continue  # another watch's decoy: bait laid for a probe running at the same time
     for _lead in _argv[1:]:
         try:
             if _lead.isdigit():

@@ -93,6 +93,17 @@ def test_escape_is_caught_below_the_mount_level(level, name, level_below):
     assert any(f.startswith(CAUGHT[level][name]) for f in findings), (findings, run.stderr)
 
 
+def test_probes_running_at_once_leave_each_others_bait_alone(level_below):
+    """Under `pytest -n 2` the unprivileged mount-level probes saw a canary read and connections: a root
+    worker's `list_proc` probe at the rlimits level, running at the same moment, followed the leads of
+    every decoy it found. A probe now follows only its own watch's decoy; the other watch sees nothing."""
+    sandbox.configure(level="rlimits")
+    with qa_escape.Watch(TINY.total_memory_bytes) as other:
+        run, findings = _probe("list_proc")
+        assert any(f.startswith("host process seen") for f in findings), (findings, run.stderr)
+        assert other.findings() == []
+
+
 @needs_mount
 def test_a_left_file_is_gone_for_the_next_run():
     with Sandbox(limits=TINY) as sb, qa_escape.Watch(TINY.total_memory_bytes) as watch:
