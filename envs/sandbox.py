@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -69,8 +70,8 @@ import threading
 import time
 import weakref
 
-from envs import cgroups, sandbox_plan
-from envs.sandbox_run import execute, start_zygote, zygote_pid
+from envs import cgroups, sandbox_plan, sandbox_run
+from envs.sandbox_run import execute, zygote_pid
 
 __all__ = ["Limits", "RunResult", "Isolation", "IsolationError", "Sandbox", "run_once", "isolation"]
 __all__ += ["isolation_level", "require", "configure", "start_zygote", "zygote_pid", "start_latency"]
@@ -284,25 +285,34 @@ def _spec(
     network: bool,
     cgroup: str | None,
 ) -> dict:
-    spec = {
-        "argv": argv,
-        "env": env,
-        "cwd": cwd,
-        "limits": dataclasses.asdict(limits),
+    """What the child does (`envs.sandbox_child`): `prep`, what the run's namespaces and mounts are made
+    from, the same for every run with these tmpfs sizes and network flag; `run`, what is this run's own;
+    `ahead`: the zygote may make the child from `prep` before the run comes (own backend, no cgroup)."""
+    prep = {
         "level": isolated.level,
         "backend": isolated.backend,
         "network": network,
         "uid": _sandbox_uid(),
         "cgroup": cgroup,
         "watch": isolated.resources == "watchdog",
+        "tmp_bytes": limits.tmp_bytes,
     }
+    run = {"argv": argv, "env": env, "cwd": cwd, "limits": dataclasses.asdict(limits), "workdir": workdir}
     if isolated.level == "mount":
-        ops = sandbox_plan.mount_ops(workdir, limits.tmp_bytes, _staged_etc(network), _PRIVATE_PATHS)
+        base = _base_ops(limits.tmp_bytes, network, str(_private_root()))
         if isolated.backend == "bwrap":
-            spec["argv"] = sandbox_plan.bwrap_argv(ops, argv, cwd, network, limits.max_procs)
+            ops = [*base, ["rw", workdir]]
+            run["argv"] = sandbox_plan.bwrap_argv(ops, argv, cwd, network, limits.max_procs)
         else:
-            spec["mounts"], spec["root"] = ops, str(_private_root() / ".root")
-    return spec
+            prep["mounts"], prep["root"] = base, str(_private_root() / ".root")
+    return {"prep": prep, "run": run, "ahead": isolated.backend == "unshare" and cgroup is None}
+
+
+@functools.lru_cache(maxsize=16)
+def _base_ops(tmp_bytes: int, network: bool, private_root: str) -> list[list]:
+    """The mount plan but the work dir (`sandbox_plan.base_ops`), once per tmpfs size, network flag and
+    private root (a new private root stages /etc again)."""
+    return sandbox_plan.base_ops(tmp_bytes, _staged_etc(network), _PRIVATE_PATHS)
 
 
 def _run(
@@ -344,6 +354,19 @@ def _run(
         resources=isolated.resources,
         memory_exceeded=oom or any("memory_exceeded" in event for event in done.events),
     )
+
+
+def start_zygote(limits: Limits = Limits(), network: bool = False) -> bool:
+    """Starts this process's zygote now (it also starts on the first run) with a child made ahead for the
+    next run with these limits' tmpfs size and this network flag; False if the zygote cannot start."""
+    isolated = isolation()
+    if not sandbox_run.start_zygote():
+        return False
+    cgroup = "made per run" if isolated.resources == "cgroup2" else None
+    spec = _spec(["true"], dict(BASE_ENV), "", "/", limits, isolated, network, cgroup)
+    if spec["ahead"]:
+        sandbox_run.prepare(spec)
+    return True
 
 
 def _rmtree(path: pathlib.Path) -> None:

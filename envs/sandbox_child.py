@@ -1,20 +1,30 @@
 """The child side of `envs.sandbox`: everything between the fork of a run and the exec of its command.
 
-Standard library only, run as a script: `python -I -S sandbox_child.py --zygote FD` (the zygote: forks one
-child per request) or `--exec` (the cold path: one fresh interpreter per run, the spec on fd 4). The host
-builds the whole spec (`envs.sandbox._spec`); nothing here decides policy.
+Standard library only, run as a script: `python -I -S sandbox_child.py --zygote FD` (the zygote: forks the
+processes of runs) or `--exec` (the cold path: one fresh interpreter per run, the whole spec on fd 4). The
+host builds the whole spec (`envs.sandbox._spec`); nothing here decides policy. A spec has two parts:
+`prep`, what a run's namespaces and mounts are made from (the same for many runs), and `run`, what only this
+run has (argv, env, cwd, limits, work dir). A child is made from `prep` first and takes its `run` (with the
+run's stdin, stdout, stderr and events fds) only when that arrives, so the zygote makes the next child
+ahead of its request (`ahead` in the spec): namespaces made, the mount plan but the work dir mounted, /proc
+mounted. When the request comes, its work dir is bound, the root entered and the command forked and
+exec'd with the request's limits. A prepared child serves one run, then ends; the zygote makes another.
 
 Processes of one run at the "mount" and "unshare-net" levels (own backend):
 
     zygote -- C   host PID namespace; its own session (the host's kill target); the run's cgroup when
                   there is one; the memory watchdog; ends the way the command ended
               `-- I   PID 1 of the run's PID namespace, root of the run's first user namespace: makes the
-                      mount, network, IPC and UTS namespaces, then reaps; the namespace dies with it
+                      mount, network, IPC and UTS namespaces and the mounts ahead; for the run, binds the
+                      work dir, enters the root, forks the command, reaps; when the command has ended,
+                      kills and reaps everything left in the namespace, then reports to C
                   `-- P   the command: a second user namespace in which it is the host-side uid (never 0),
                           so exec leaves it no capabilities; rlimits; no further user namespaces
 
-With bubblewrap, C forks `bwrap` (which makes the namespaces and mounts from the same plan) instead of I.
-At the "rlimits" level C execs the command itself.
+With bubblewrap, C forks `bwrap` (which makes the namespaces and mounts from the same plan) for the run
+instead of I. At the "rlimits" level C execs the command itself. Only the own backend's namespaced levels
+without a per-run cgroup are made ahead (a process must start inside its cgroup; bwrap takes its plan at
+exec); the others wait in C for their run, which the zygote then sends at once.
 
 C reports to the host on fd 3 (`EVENTS_FD`), one JSON object per line: {"memory_exceeded": bytes}.
 """
@@ -39,7 +49,7 @@ import warnings  # noqa: F401 - os.execvpe imports it; later the uid may not rea
 from collections.abc import Callable
 
 EVENTS_FD = 3  # C -> host: JSON lines
-SPEC_FD = 4  # cold path: the spec arrives here
+SPEC_FD = 4  # where a child's spec comes from: a pipe (cold path) or its channel from the zygote
 WATCH_S = 0.01  # the memory watchdog's period
 NEWNS, NEWUTS, NEWIPC = 0x00020000, 0x04000000, 0x08000000
 NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -48,7 +58,7 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _ST_TO_MS = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # + atime
 MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NAME = 1, 4, 15
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 4, 15, 36
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 _DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
               "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}  # fmt: skip
@@ -232,12 +242,17 @@ _OPS: dict[str, Callable] = {
 }  # fmt: skip
 
 
-def _build_root(root: str, ops: list[list]) -> None:
-    """Mounts the plan under `root` (a fresh tmpfs), makes it this namespace's `/`, read-only."""
+def _mount_plan(root: str, ops: list[list]) -> None:
+    """Mounts the plan under `root` (a fresh tmpfs); the host's root stays this namespace's `/` until
+    `_enter_root` (nothing of the run runs before that)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
     for op in ops:
         _OPS[op[0]](root, *op[1:])
+
+
+def _enter_root(root: str) -> None:
+    """Makes `root` this namespace's `/`, read-only, and drops the host's root from it."""
     os.chdir(root)
     number = _PIVOT_ROOT.get(os.uname().machine)
     if number is None:
@@ -272,44 +287,112 @@ def _scrub_cmdline() -> None:
 # The processes of one run
 
 
-def _become_command(spec: dict, nproc: int | None) -> None:
-    _set_rlimits(spec["limits"], nproc)
-    os.chdir(spec["cwd"])
-    os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+class Request:
+    """The `run` part of a spec, taken once: from the zygote's channel on `SPEC_FD` (a socket: the run's
+    JSON with its stdin, stdout, stderr and events fds, which go to 0-3), or `given` with the fds in place
+    (the cold path). A prepared child blocks here until its run comes; EOF means none will: it ends."""
+
+    def __init__(self, given: dict | None = None):
+        self.run, self.raw = given, None
+        self.zygote = given is None  # the zygote reaps what C leaves; a cold C's parent does not
+
+    def get(self) -> dict:
+        if self.run is None:
+            channel = socket.socket(fileno=SPEC_FD)
+            received = recv_message(channel)
+            channel.close()
+            if received is None:
+                os._exit(0)
+            self.raw, fds = received
+            place_fds(fds)
+            self.run = json.loads(self.raw)
+        return self.run
 
 
-def _command(spec: dict, uid: int, gid: int) -> None:
+def _fail(request: Request, error: BaseException) -> None:
+    """Ends a child whose setup failed, saying why on the run's stderr (so after its run has come)."""
+    with contextlib.suppress(BaseException):
+        request.get()
+    os.write(2, f"sandbox: setup failed: {error!r}\n".encode())
+    os._exit(126)
+
+
+def _become_command(run: dict, nproc: int | None) -> None:
+    _set_rlimits(run["limits"], nproc)
+    os.chdir(run["cwd"])
+    os.execvpe(run["argv"][0], run["argv"], run["env"])
+
+
+def _command(run: dict, uid: int, gid: int) -> None:
     """P: a user namespace of its own in which it is `uid` (not 0): exec drops every capability."""
+    os.closerange(3, 65536)
     _unshare(NEWUSER)
     _map_ids(uid, 0, 0)
     _write("/proc/sys/user/max_user_namespaces", "0")
-    _become_command(spec, spec["limits"]["max_procs"])
+    _become_command(run, run["limits"]["max_procs"])
 
 
-def _init(spec: dict, status_w: int, uid: int, gid: int) -> None:
-    """I: PID 1 of the run. Makes the namespaces, forks the command, reaps until the command ends, then
-    writes its wait status to C and exits (the kernel then kills what is left in the PID namespace)."""
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    mount = spec["level"] == "mount"
-    _unshare(NEWIPC | NEWUTS | (0 if spec["network"] else NEWNET) | (NEWNS if mount else 0))
+def _prepare_init(prep: dict) -> None:
+    mount = prep["level"] == "mount"
+    _unshare(NEWIPC | NEWUTS | (0 if prep["network"] else NEWNET) | (NEWNS if mount else 0))
     socket.sethostname("sandbox")
-    if not spec["network"]:
+    if not prep["network"]:
         _loopback_up()
-    _limit_ipc(spec["limits"]["tmp_bytes"])
+    _limit_ipc(prep["tmp_bytes"])
     if mount:
-        _build_root(spec["root"], spec["mounts"])
-    else:
-        os.chdir("/")
+        _mount_plan(prep["root"], prep["mounts"])
     _scrub_cmdline()
-    command = os.fork()
+
+
+def _empty_namespace() -> None:
+    """Kills every other process of this PID namespace and reaps them all. From PID 1, kill(-1) reaches
+    each one, and a fork racing with it either fails (its parent has the SIGKILL) or makes a child that
+    gets one too; orphans come to PID 1, so once it has no children nothing of the run is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.waitpid(-1, 0)
+
+
+def _init(prep: dict, channel: socket.socket, uid: int, gid: int) -> None:
+    """I: PID 1 of the run. Makes the namespaces and the mounts ahead; when its run comes from C, binds the
+    work dir, enters the root, forks the command and reaps until the command ends; then empties the
+    namespace and sends C the command's wait status (nothing of the run runs by then)."""
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    failure = None
+    try:
+        _prepare_init(prep)
+    except BaseException as e:  # noqa: BLE001 - said on the run's stderr once the run is here
+        failure = e
+    received = recv_message(channel)
+    if received is None:  # C ended before its run came
+        os._exit(0)
+    raw, fds = received
+    place_fds(fds)
+    try:
+        if failure is not None:
+            raise failure
+        run = json.loads(raw)
+        if prep["level"] == "mount":
+            _bind_rw(prep["root"], run["workdir"])
+            _enter_root(prep["root"])
+        else:
+            os.chdir("/")
+        command = os.fork()
+    except BaseException as e:  # noqa: BLE001 - nothing may return into the zygote's frames after a fork
+        os.write(2, f"sandbox: setup failed: {e!r}\n".encode())
+        os._exit(126)
     if command == 0:
-        os.close(status_w)
-        _never_return(_command, spec, uid, gid)
+        _never_return(_command, run, uid, gid)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == command:
-            os.write(status_w, str(status).encode())
-            os._exit(0)
+            break
+    _empty_namespace()
+    os.closerange(0, 3)  # the run's pipes reach EOF on the host once C is gone
+    channel.sendall(f"{status}\n".encode())
+    os._exit(0)
 
 
 def _memory_in(proc_dir: str, host_proc_dev: int) -> int:
@@ -332,23 +415,44 @@ def _memory_in(proc_dir: str, host_proc_dev: int) -> int:
     return total
 
 
-def _wait(pid: int, limit: int | None, proc_dir: str | None) -> int:
-    """Waits for `pid`; with a `limit`, kills it when the run's processes together map more memory."""
-    if limit is not None and proc_dir is not None:
-        pidfd = os.pidfd_open(pid)
-        host_dev = os.stat("/proc").st_dev
-        while not select.select([pidfd], [], [], WATCH_S)[0]:
-            used = _memory_in(proc_dir, host_dev)
-            if used > limit:
+def _watch(
+    pid: int,
+    limit: int | None,
+    proc_dir: str | None,
+    report: socket.socket | None = None,
+    reaped: bool = True,
+) -> int:
+    """Waits for `pid` to end, or for its wait-status line on `report`; with a `limit`, kills `pid` when
+    the run's processes together map more memory than that. Returns the reported status, else `pid`'s;
+    `reaped`: `pid` is waited for even after it reported (else it ends as the zygote's orphan)."""
+    watching = limit is not None and proc_dir is not None
+    pidfd = os.pidfd_open(pid)
+    host_dev = os.stat("/proc").st_dev
+    line = b""
+    try:
+        while True:
+            ready = select.select(
+                [pidfd] + ([report] if report else []), [], [], WATCH_S if watching else None
+            )
+            if report is not None and report in ready[0]:
+                chunk = report.recv(64)
+                line += chunk
+                if not chunk or line.endswith(b"\n"):
+                    break
+            elif pidfd in ready[0]:
+                break
+            elif watching and (used := _memory_in(proc_dir, host_dev)) > limit:
                 os.kill(pid, signal.SIGKILL)
                 os.write(EVENTS_FD, json.dumps({"memory_exceeded": used}).encode() + b"\n")
                 break
+    finally:
         os.close(pidfd)
-    return os.waitpid(pid, 0)[1]
+    status = os.waitpid(pid, 0)[1] if reaped or not line.endswith(b"\n") else None
+    return int(line) if line.endswith(b"\n") else status
 
 
-def _watch_limit(spec: dict) -> int | None:
-    return spec["limits"]["total_memory_bytes"] if spec["watch"] else None
+def _watch_limit(prep: dict, run: dict) -> int | None:
+    return run["limits"]["total_memory_bytes"] if prep["watch"] else None
 
 
 def _proc_inside(pid: int) -> str:
@@ -356,24 +460,24 @@ def _proc_inside(pid: int) -> str:
     return os.path.join("/proc", str(pid), "root", "proc")
 
 
-def _run_namespaced(spec: dict) -> int:
+def _run_namespaced(prep: dict, request: Request) -> int:
     """C, own backend: the run's first user namespace (in which I is root) and its PID namespace."""
     uid, gid = os.getuid(), os.getgid()
     _unshare(NEWUSER | NEWPID)
     _map_ids(0, uid, gid)
-    status_r, status_w = os.pipe()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     init = os.fork()
     if init == 0:
-        os.close(status_r)
-        os.close(EVENTS_FD)
-        _never_return(_init, spec, status_w, uid, gid)
-    os.close(status_w)
-    init_status = _wait(init, _watch_limit(spec), _proc_inside(init))
-    reported = os.read(status_r, 64)
-    return int(reported) if reported else init_status
+        ours.close()
+        os.closerange(0, SPEC_FD + 1)  # stdio and events come with the run; the zygote's channel is C's
+        _never_return(_init, prep, theirs, uid, gid)
+    theirs.close()
+    run = request.get()
+    send_message(ours, request.raw or json.dumps(run).encode(), [0, 1, 2])
+    return _watch(init, _watch_limit(prep, run), _proc_inside(init), ours, reaped=not request.zygote)
 
 
-def _run_bwrap(spec: dict) -> int:
+def _run_bwrap(prep: dict, run: dict) -> int:
     """C, bubblewrap backend: forks bwrap (the argv the host built) and watches its PID namespace."""
     info_r, info_w = os.pipe()
     os.set_inheritable(info_w, True)
@@ -381,8 +485,8 @@ def _run_bwrap(spec: dict) -> int:
     if pid == 0:
         os.close(info_r)
         os.close(EVENTS_FD)
-        argv = spec["argv"]
-        bwrap = {**spec, "argv": [argv[0], "--info-fd", str(info_w), *argv[1:]]}
+        argv = run["argv"]
+        bwrap = {**run, "argv": [argv[0], "--info-fd", str(info_w), *argv[1:]]}
         _never_return(_become_command, bwrap, None)  # bwrap_argv sets RLIMIT_NPROC inside
     os.close(info_w)
     info = b""
@@ -390,38 +494,41 @@ def _run_bwrap(spec: dict) -> int:
         info += chunk
     os.close(info_r)
     child = re.search(rb'"child-pid":\s*(\d+)', info)
-    status = _wait(pid, _watch_limit(spec), _proc_inside(int(child[1])) if child else None)
+    status = _watch(pid, _watch_limit(prep, run), _proc_inside(int(child[1])) if child else None)
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
     if 128 < code < 128 + signal.NSIG:  # bwrap's way to say the command died from signal code - 128
         return code - 128
     return status
 
 
-def run_child(spec: dict) -> None:
-    """C: becomes the run described by `spec` (fds 0-2 are its stdio, fd 3 the events). Never returns."""
+def run_child(prep: dict, request: Request) -> None:
+    """C: made from `prep`, then becomes the run `request` brings (fds 0-2 its stdio, fd 3 its events).
+    Never returns."""
     try:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE and SIGXFSZ; the command must not
-        os.closerange(EVENTS_FD + 1, 65536)
+        os.closerange(SPEC_FD + 1, 65536)
         if os.getsid(0) != os.getpid():
             os.setsid()
         os.umask(0o022)
-        if spec["cgroup"]:
-            _write(f"{spec['cgroup']}/cgroup.procs", "0")
-        if spec["uid"] is not None:
-            _drop_privileges(spec["uid"])
+        if prep["cgroup"]:
+            _write(f"{prep['cgroup']}/cgroup.procs", "0")
+        if prep["uid"] is not None:
+            _drop_privileges(prep["uid"])
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if spec["level"] == "rlimits":
+        if prep["level"] == "rlimits":
+            run = request.get()
             os.close(EVENTS_FD)
-            _never_return(_become_command, spec, spec["limits"]["max_procs"] + _user_tasks(os.getuid()))
-        _end_like(_run_bwrap(spec) if spec["backend"] == "bwrap" else _run_namespaced(spec))
+            _never_return(_become_command, run, run["limits"]["max_procs"] + _user_tasks(os.getuid()))
+        if prep["backend"] == "bwrap":
+            _end_like(_run_bwrap(prep, request.get()))
+        _end_like(_run_namespaced(prep, request))
     except BaseException as e:  # noqa: BLE001 - anything here must end the child, never return to a caller
-        os.write(2, f"sandbox: setup failed: {e!r}\n".encode())
-        os._exit(126)
+        _fail(request, e)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Zygote: a stdlib-only process that forks one child per request.
+# Zygote: a stdlib-only process that forks the processes of runs, one child ahead of its request.
 
 
 def _recv_exact(sock: socket.socket, n: int, head: bytes = b"") -> bytes:
@@ -434,15 +541,26 @@ def _recv_exact(sock: socket.socket, n: int, head: bytes = b"") -> bytes:
     return bytes(data)
 
 
-def _recv_request(sock: socket.socket) -> tuple[dict, list[int]] | None:
+def recv_message(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """One `send_message`: its payload and fds; None at EOF."""
     try:
         head, fds, _, _ = socket.recv_fds(sock, 8, 5)
-    except ConnectionError:
+        if not head:
+            return None
+        (size,) = struct.unpack("!Q", _recv_exact(sock, 8, head))
+        return _recv_exact(sock, size), fds
+    except (ConnectionError, EOFError):
         return None
-    if not head:
-        return None
-    (size,) = struct.unpack("!Q", _recv_exact(sock, 8, head))
-    return json.loads(_recv_exact(sock, size)), fds
+
+
+def send_message(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
+    """A length-prefixed payload, `fds` riding with its first bytes."""
+    head = struct.pack("!Q", len(payload))
+    if fds:
+        socket.send_fds(sock, [head], fds)
+    else:
+        sock.sendall(head)
+    sock.sendall(payload)
 
 
 def place_fds(fds: list[int]) -> None:
@@ -453,14 +571,30 @@ def place_fds(fds: list[int]) -> None:
         os.close(fd)
 
 
-def _fork_child(spec: dict, fds: list[int]) -> int:
-    """fds: stdin, stdout, stderr, the host's status pipe (kept by the zygote), events."""
-    pid = os.fork()
-    if pid == 0:
-        signal.set_wakeup_fd(-1)
-        place_fds([fds[0], fds[1], fds[2], fds[4]])
-        run_child(spec)
-    return pid
+class _Child:
+    """A forked C (see the module docstring) waiting on its channel for its run."""
+
+    def __init__(self, prep: dict, devnull: int):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.pid = os.fork()
+        if self.pid == 0:
+            signal.set_wakeup_fd(-1)
+            place_fds([devnull, devnull, devnull, devnull, theirs.fileno()])  # SPEC_FD: the channel
+            run_child(prep, Request())
+        theirs.close()
+        self.channel = ours
+
+    def send(self, run: bytes, fds: list[int]) -> None:
+        try:
+            send_message(self.channel, run, fds)
+        finally:
+            self.channel.close()
+
+    def drop(self) -> None:
+        """Ends a prepared child that will get no run (closing its channel would too, after its setup)."""
+        self.channel.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _report(fd: int, number: int, close: bool = False) -> None:
@@ -472,13 +606,71 @@ def _report(fd: int, number: int, close: bool = False) -> None:
 
 
 def _reap(children: dict[int, int]) -> None:
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+    """Reports ended runs; also reaps runs' PID 1s, which end just after their C (the zygote is their
+    subreaper), and dropped prepared children."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
         if pid == 0:
             return
         fd = children.pop(pid, None)
         if fd is not None:
             _report(fd, status, close=True)
+
+
+class _Zygote:
+    def __init__(self):
+        self.devnull = os.open(os.devnull, os.O_RDWR)
+        self.children: dict[int, int] = {}  # the pid of a run's C -> the host's status fd for it
+        self.ahead: tuple[str, _Child] | None = None  # (the prep it was made from, the child)
+
+    def request(self, spec: dict, fds: list[int]) -> None:
+        """fds: stdin, stdout, stderr, the host's status pipe (kept here), events. A spec without `run`
+        only asks for a child made ahead."""
+        prep, run = spec["prep"], spec.get("run")
+        key, child = json.dumps(prep, sort_keys=True), None
+        if self.ahead is not None and self.ahead[0] == key:
+            if run is None:
+                return
+            child, self.ahead = self.ahead[1], None
+        if run is not None:
+            self._start(prep, json.dumps(run).encode(), fds, child)
+        if spec["ahead"]:
+            if self.ahead is not None:  # made for another prep
+                self.ahead[1].drop()
+            try:
+                self.ahead = (key, _Child(prep, self.devnull))
+            except OSError:
+                self.ahead = None
+
+    def _start(self, prep: dict, run: bytes, fds: list[int], child: _Child | None) -> None:
+        """Sends the run to `child` (made ahead) or, when there is none or it has died, to a fresh one."""
+        started = None
+        for candidate in [child, None] if child else [None]:
+            try:
+                candidate = candidate or _Child(prep, self.devnull)
+                candidate.send(run, [fds[0], fds[1], fds[2], fds[4]])
+                started = candidate
+                break
+            except OSError:
+                if candidate is not None:
+                    candidate.drop()
+        for f in (fds[0], fds[1], fds[2], fds[4]):
+            os.close(f)
+        if started is None:
+            os.close(fds[3])  # the host reads EOF instead of a pid: no child
+            return
+        _report(fds[3], started.pid)
+        self.children[started.pid] = fds[3]
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead[1].drop()
+        for pid in self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def zygote_main(fd: int) -> None:
@@ -488,31 +680,22 @@ def zygote_main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
-    children: dict[int, int] = {}
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    zygote = _Zygote()
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
     while True:
         for key, _ in sel.select():
             if key.fileobj is sock:
-                request = _recv_request(sock)
-                if request is None:
-                    for pid in children:
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(pid, signal.SIGKILL)
+                message = recv_message(sock)
+                if message is None:
+                    zygote.close()
                     return
-                spec, fds = request
-                try:
-                    pid = _fork_child(spec, fds)
-                    _report(fds[3], pid)
-                    children[pid] = fds[3]
-                except OSError:
-                    os.close(fds[3])  # the host reads EOF instead of a pid: no child
-                for f in (fds[0], fds[1], fds[2], fds[4]):
-                    os.close(f)
+                zygote.request(json.loads(message[0]), message[1])
             else:
                 os.read(wake_r, 4096)
-            _reap(children)
+            _reap(zygote.children)
 
 
 def main(args: list[str]) -> None:
@@ -521,7 +704,7 @@ def main(args: list[str]) -> None:
     elif args[:1] == ["--exec"]:
         with open(SPEC_FD, "rb") as f:
             spec = json.loads(f.read())
-        run_child(spec)
+        run_child(spec["prep"], Request(spec["run"]))
     else:
         sys.exit("usage: sandbox_child.py --zygote FD | --exec (started by envs.sandbox)")
 

@@ -69,13 +69,19 @@ def private_paths() -> list[str]:
     return sorted({str(project), os.path.expanduser("~"), "/root", "/home"})
 
 
-def mount_ops(workdir: str, tmp_bytes: int, etc: str, private: list[str]) -> list[list]:
+def base_ops(tmp_bytes: int, etc: str, private: list[str]) -> list[list]:
+    """The plan but the work dir: the same for every run with these tmpfs sizes and this /etc, so the own
+    backend makes it ahead of the run (`envs.sandbox_child`) and adds the work dir when the run comes."""
     ops = system_ops(etc)
     shown = [op[1] for op in ops if op[0] == "ro" and len(op) == 2 and os.path.isdir(op[1])]
     ops += [["dev"], ["proc"], *(["tmpfs", path, tmp_bytes] for path in TMPFS)]
     ops += [["hide", p] for p in private if any(p.startswith(s + "/") for s in shown) and os.path.isdir(p)]
-    ops.append(["rw", workdir])
     return ops
+
+
+def mount_ops(workdir: str, tmp_bytes: int, etc: str, private: list[str]) -> list[list]:
+    """The whole plan of one run: `base_ops`, then its work dir."""
+    return [*base_ops(tmp_bytes, etc, private), ["rw", workdir]]
 
 
 def bwrap_argv(ops: list[list], argv: list[str], cwd: str, network: bool, max_procs: int) -> list[str]:

@@ -4,10 +4,12 @@
 `envs.sandbox`; the child side is `envs/sandbox_child.py`.
 
 Launch: a zygote (`sandbox_child.py --zygote`, stdlib only, started once per process with an empty
-environment) forks one child per run; the child's stdio, its status pipe and its events pipe come over a Unix
-socket (SCM_RIGHTS) and its wait status comes back on the status pipe. Without a zygote (`use_zygote=False`),
-each run starts the same child code in a fresh interpreter (`sandbox_child.py --exec`): the cold path, with
-identical results.
+environment) forks the children of runs, and where the spec allows (`spec["ahead"]`) keeps the next child
+made ahead: its namespaces and mounts exist before the request, which then only brings what is the run's own
+(`sandbox_child`'s docstring). The child's stdio, its status pipe and its events pipe come over a Unix socket
+(SCM_RIGHTS) and its wait status comes back on the status pipe. `prepare(spec)` asks for a child made ahead
+without a run. Without a zygote (`use_zygote=False`), each run starts the same child code in a fresh
+interpreter (`sandbox_child.py --exec`): the cold path, with identical results.
 
 Collect: stdout and stderr read concurrently, each kept up to `output_bytes` (the rest read and dropped,
 `truncated`); at `wall_s` the run's process group gets SIGTERM, then SIGKILL `_TERM_GRACE_S` later.
@@ -73,9 +75,15 @@ class _Zygote:
         return self.owner == os.getpid() and self.proc.poll() is None
 
     def launch(self, spec: dict, fds: list[int]) -> None:
+        """Sends a request (`sandbox_child.recv_message` reads it); a spec without "run" and no fds asks for
+        a child made ahead only."""
         payload = json.dumps(spec).encode()
+        head = struct.pack("!Q", len(payload))
         with self.lock:
-            socket.send_fds(self.sock, [struct.pack("!Q", len(payload))], fds)
+            if fds:
+                socket.send_fds(self.sock, [head], fds)
+            else:
+                self.sock.sendall(head)
             self.sock.sendall(payload)
 
 
@@ -93,6 +101,18 @@ def start_zygote() -> bool:
             except OSError:
                 _ZYGOTE = None
         return _ZYGOTE is not None
+
+
+def prepare(spec: dict) -> bool:
+    """Starts the zygote if need be and has it make a child ahead from `spec["prep"]` (a spec whose
+    "ahead" is true), so that the first run with that prep finds one ready; False without a zygote."""
+    if not start_zygote():
+        return False
+    try:
+        _ZYGOTE.launch({"prep": spec["prep"], "ahead": spec["ahead"]}, [])
+    except OSError:
+        return False
+    return True
 
 
 def zygote_pid() -> int | None:
@@ -264,7 +284,7 @@ def execute(
     line = _read_line(st_r, _LOST_S)
     pid = int(line) if line else 0
     pipes = {"stdin": in_w, "stdout": out_r, "stderr": err_r, "status": st_r}
-    run = _Run(pid, stdin, pipes, wall_s, output_bytes, group=spec["level"] == "rlimits")
+    run = _Run(pid, stdin, pipes, wall_s, output_bytes, group=spec["prep"]["level"] == "rlimits")
     if pid:
         run.pump(start)
     else:

@@ -4,6 +4,7 @@ snapshots, and the zygote and cold paths agreeing. Each test is a few short runs
 Runs at the level detected here with the default backend; `ENVS_SANDBOX_BACKEND=bwrap` runs it all with
 bubblewrap. What isolation each level adds is in tests/test_sandbox_isolation.py."""
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -283,3 +284,101 @@ def test_other_sandboxes_work_dirs_cannot_be_listed():
         else:  # the same uid could read b's files, if it knew their names
             assert r.status == "error" and "Permission denied" in r.stderr
         assert b.workdir.name not in r.stdout
+
+
+# The zygote makes the next run's child ahead (own backend at the namespaced levels, no cgroup): its C forks
+# a PID 1 that makes the namespaces and mounts before any request. Seen from the host, as its parent sees it.
+ISOLATED = sandbox.isolation()
+AHEAD = LEVEL != "rlimits" and ISOLATED.backend == "unshare" and ISOLATED.resources != "cgroup2"
+needs_ahead = pytest.mark.skipif(not AHEAD, reason="no child is made ahead here (bwrap, cgroups or rlimits)")
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(name))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _made_ahead() -> tuple[int, str]:
+    """The zygote's child made ahead (a C; not a finished run's PID 1, "sandbox-init", which the zygote
+    reaps) and the PID namespace of that child's PID 1, in which the next run will run."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        ahead = [c for c in _children(sandbox.zygote_pid()) if not _cmdline(c).startswith(b"sandbox-init")]
+        inits = _children(ahead[0]) if len(ahead) == 1 else []
+        with contextlib.suppress(OSError):
+            if inits:
+                return ahead[0], os.readlink(f"/proc/{inits[0]}/ns/pid")
+        time.sleep(0.01)
+    raise AssertionError(f"no child made ahead: zygote children {_children(sandbox.zygote_pid())}")
+
+
+@needs_ahead
+def test_a_child_made_ahead_serves_one_run_with_that_runs_own_limits_and_paths():
+    # bash's ulimit units, by hand: -t seconds (cpu_s rounded up), -v and -f KiB, -n files, -u processes
+    small = Limits(cpu_s=2.5, memory_bytes=300 << 20, file_bytes=3 << 20, open_files=50, max_procs=20)
+    large = Limits(cpu_s=7, memory_bytes=200 << 20, file_bytes=1 << 20, open_files=40, max_procs=10)
+    expected = {small: "3 307200 3072 50 20", large: "7 204800 1024 40 10"}
+    probe = "echo $(ulimit -t) $(ulimit -v) $(ulimit -f) $(ulimit -n) $(ulimit -u); pwd; cat mine; "
+    probe += 'echo "$HOME"; readlink /proc/self/ns/pid'
+    assert sandbox.start_zygote()
+    served = []
+    with Sandbox(files={"sub/mine": "a\n"}) as a, Sandbox(files={"mine": "b\n"}) as b:
+        for box, limits, cwd, mine in [(a, small, "sub", "a"), (b, large, ".", "b"), (a, large, "sub", "a")]:
+            child, namespace = _made_ahead()
+            result = box.run(probe, limits=limits, cwd=cwd)
+            where = os.path.normpath(box.workdir / cwd)
+            assert result.stdout.splitlines() == [expected[limits], where, mine, str(box.workdir), namespace]
+            assert not pathlib.Path(f"/proc/{child}").exists()  # the child that served it is gone: used once
+            served.append(child)
+    assert len(set(served)) == 3
+
+
+@needs_ahead
+def test_a_run_with_other_mounts_is_not_served_by_a_child_made_for_others():
+    """tmp_bytes and the network flag are made ahead (tmpfs sizes, /etc, the network namespace): a run
+    that asks for others gets a child made for it, and the zygote makes the next one for those."""
+    assert sandbox.start_zygote()  # made ahead for the default Limits, no network
+    probe = "df -B1 --output=size /tmp | tail -n 1; test -e /etc/resolv.conf && echo resolv; "
+    probe += "readlink /proc/self/ns/pid"
+    runs = [(8 << 20, False), (8 << 20, False), (4 << 20, True), (64 << 20, False), (64 << 20, False)]
+    served = []
+    with Sandbox() as offline, Sandbox(network=True) as online:
+        for tmp_bytes, network in runs:
+            _, namespace = _made_ahead()
+            result = (online if network else offline).run(probe, limits=Limits(tmp_bytes=tmp_bytes))
+            lines = result.stdout.splitlines()
+            if LEVEL == "mount":
+                assert [x.strip() for x in lines[:-1]] == [str(tmp_bytes)] + (["resolv"] if network else [])
+            served.append(lines[-1] == namespace)
+    assert served == [False, True, False, False, True]
+
+
+def test_a_run_whose_work_dir_is_gone_fails_the_same_warm_and_cold():
+    """A failure after the child was made (here: binding a work dir that no longer exists) is the run's
+    setup failure on its stderr, on both paths."""
+    outcomes = []
+    for warm in (True, False):
+        box = Sandbox(zygote=warm)
+        sandbox._rmtree(box.workdir)
+        result = box.run(["true"])
+        outcomes.append((result.returncode, "sandbox: setup failed" in result.stderr))
+        box.close()
+    if LEVEL == "mount":
+        assert outcomes == [(126, True), (126, True)]
+    else:
+        assert outcomes[0] == outcomes[1]
