@@ -43,6 +43,9 @@ class SamplingParams:
     n: int = 1
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
+    # The request index the sampling keys fold in; None: the prompt's position in its submit call. A caller
+    # that gives every prompt its own seed sets 0, so a prompt samples alike wherever it sits in a batch.
+    key_index: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -61,6 +64,8 @@ class SamplingParams:
             raise TypeError(f"stop_tokens={self.stop_tokens!r} must be a tuple of token ids, e.g. (2,).")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed={self.seed!r} must be an int (any size).")
+        if self.key_index is not None and not 0 <= self.key_index < 2**31:
+            raise ValueError(f"key_index={self.key_index} must be None or in [0, 2**31).")
 
     @property
     def key_seed(self) -> int:

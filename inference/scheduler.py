@@ -211,7 +211,7 @@ class Scheduler:
             table[b] = self.table.page_table([seq.id])[0]
             seed[b], req[b], sample[b], stepi[b] = (
                 seq.params.key_seed,
-                seq.prompt_index,
+                seq.prompt_index if seq.params.key_index is None else seq.params.key_index,
                 seq.sample,
                 len(seq.tokens),
             )

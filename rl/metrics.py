@@ -92,6 +92,18 @@ def _summary_writer(logdir: pathlib.Path, tensorboard: bool | None) -> Any:
     return None
 
 
+class NullLogger:
+    """The logger of processes other than 0 (`rl.distributed`): logs nothing, writes nothing."""
+
+    tensorboard = False
+
+    def log(self, step: int, metrics: Mapping[str, Any], *, progress: bool = True) -> dict[str, Any]:
+        return dict(metrics)
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsLogger:
     """Appends metrics to `workdir/metrics.jsonl` (flushed per line), TensorBoard and a progress line.
 

@@ -213,6 +213,11 @@ class _Episode:
         )
 
 
+def group_seed(seed: int, group: int) -> int:
+    """The sampling seed of group `group` of a rollout round sampled with `seed`."""
+    return derive_seed(seed, "group", group)
+
+
 def _turn_seed(seed: int, turn: int, task_id: str, index: int) -> int:
     """A deterministic per-(turn, task, sample) seed for continuation turns (each is its own request)."""
     return derive_seed(seed, turn, task_id, index)
@@ -250,7 +255,12 @@ def rollout(
     is_multi = multi_turn or default_multi_turn(pool)
 
     prompts = [format_prompt(task, tokenizer, chat=chat) for task in tasks]
-    params = [_clipped(sampling, len(p), budget, n=n) for p in prompts]
+    # Each group samples from a seed of its own (group id, not position in this call): a group's samples
+    # are the same whichever process or round draws it (rl.distributed).
+    params = [
+        _clipped(sampling, len(p), budget, n=n, seed=group_seed(sampling.seed, group_offset + i), key_index=0)
+        for i, p in enumerate(prompts)
+    ]
     episodes = [
         _Episode(task, group_offset + i, s, prompts[i]) for i, task in enumerate(tasks) for s in range(n)
     ]
@@ -289,7 +299,12 @@ def rollout(
         contexts = [ep.prompt + ep.tokens for ep in active]
         params = [
             _clipped(
-                sampling, len(c), budget, n=1, seed=_turn_seed(sampling.seed, turn, ep.task.id, ep.index)
+                sampling,
+                len(c),
+                budget,
+                n=1,
+                seed=_turn_seed(sampling.seed, turn, f"{ep.group}:{ep.task.id}", ep.index),
+                key_index=0,
             )
             for c, ep in zip(contexts, active)
         ]
@@ -512,6 +527,7 @@ def collect(
     max_attempts: int = 4,
     min_group_size: int = 2,
     reward_tol: float = 1e-6,
+    shard: Any = None,
     **rollout_kwargs: Any,
 ) -> tuple[list[Sample], dict[str, int], dict[str, DomainDraw]]:
     """Rolls out `next_tasks(k)` (k = groups still missing) round after round until `groups` valid groups
@@ -521,17 +537,26 @@ def collect(
     `groups_collected`, `groups_missing` (0 when complete) and
     `surplus_groups` (valid groups beyond `groups`, from `next_tasks` returning more than asked, dropped),
     and per domain a `DomainDraw` over every sample drawn, filtered or not (the curriculum's reward and
-    compute: a kept-only reward would be biased toward 1/2)."""
+    compute: a kept-only reward would be biased toward 1/2).
+
+    With `shard` (an `rl.distributed.TaskShard`, several processes), `groups` is this process's share: each
+    round every process takes its part of one global draw (`shard.draw`, which also gives the global id of
+    its first group) and the rounds go on while any process still misses groups (`shard.all_done`)."""
     kept: list[Sample] = []
     counts: Counter[str] = Counter()
     drawn: dict[str, DomainDraw] = defaultdict(DomainDraw)
     have, next_group = 0, 0
     for attempt in range(max_attempts):
-        if have >= groups:
+        if have >= groups if shard is None else shard.all_done(have >= groups):
             break
-        tasks = next_tasks(groups - have)
+        if shard is None:
+            tasks = next_tasks(groups - have)
+        else:
+            tasks, next_group = shard.draw(max(groups - have, 0))
         counts["rounds"] += 1
         if not tasks:
+            if shard is not None and have >= groups:
+                continue  # this process is done; others still draw
             break
         round_seed = sampling.seed if attempt == 0 else derive_seed(sampling.seed, "round", attempt)
         round_sampling = dataclasses.replace(sampling, seed=round_seed)

@@ -79,6 +79,7 @@ def run_sft(
     should_stop: Callable[[], bool] | None = None,
     env_kwargs: Mapping[str, Mapping] | None = None,
     mtp_weight: float = 0.0,
+    mesh=None,
 ):
     """SFT updates `start`..`steps - 1` on fresh tasks each step; returns (state, steps done). Stops early
     when `should_stop()` turns true (a preemption: the caller saves and resumes from the count). Step i's
@@ -86,7 +87,7 @@ def run_sft(
     MTP modules' loss (rl.sft.mtp_weight; metric `sft/mtp_loss`)."""
     from rl import train_step
 
-    step_fn = train_step.make_sft_step(cfg, model_def, mtp_weight=mtp_weight)
+    step_fn = train_step.make_sft_step(cfg, model_def, mtp_weight=mtp_weight, mesh=mesh)
     envs_by_domain: dict[str, object] = {}
     env_kwargs = env_kwargs or {}
     for i in range(start, steps):

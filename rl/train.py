@@ -57,7 +57,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     import envs
     from envs import qa
     from model.tokenizer import load_tokenizer
-    from rl import checkpoint, curriculum, data, metrics, pipeline, rollout, train_step, validate
+    from rl import checkpoint, curriculum, data, distributed, metrics, pipeline, rollout, train_step, validate
 
     # ---- Config, workdir, console -----------------------------------------------------------------------
     validate.validate(cfg)
@@ -68,9 +68,15 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     with cfg.unlocked():  # derived sizes follow the rl fields (command-line overrides change those)
         cfg.batch_size = rl.prompts_per_step * rl.group_size
         cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
+    # ---- Processes and the trainer's mesh: every host runs this same program (rl.distributed) ------------
+    _, processes = distributed.initialize()
+    mesh = distributed.trainer_mesh(cfg)
+    validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
+    primary = distributed.is_primary()  # process 0 alone writes metrics, samples, evaluations, the table
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2))
+    if primary:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(cfg.to_json_best_effort(indent=2))
     env_kwargs = data.env_kwargs(cfg)
 
     # ---- Environments: gate, pool (before JAX touches a device), task streams, curriculum -----------------
@@ -95,27 +101,34 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         )
         scheduler = curriculum.from_config(rl, domains, seed=rl.seed)
         source = _TaskSource(cfg, streams, scheduler, tokenizer)
-        logger = metrics.MetricsLogger(workdir, tensorboard=rl.tensorboard or False, total_steps=rl.steps)
+        logger = (
+            metrics.MetricsLogger(workdir, tensorboard=rl.tensorboard or False, total_steps=rl.steps)
+            if primary
+            else metrics.NullLogger()
+        )
         ckpt = checkpoint.Checkpointer(
-            os.path.join(workdir, "checkpoints"),
+            os.path.join(os.path.abspath(workdir), "checkpoints"),
             save_every=rl.checkpoint_every,
             max_to_keep=rl.max_to_keep,
             model_config=cfg.model,
+            mesh=mesh,
         )
 
         # ---- Train state: restore, or build (or load rl.init_from) and warm-start by SFT -------------------
         draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
         meta = ckpt.read_meta()
         pretrained = _pretrained(cfg) if meta is None and rl.init_from else {}  # resumed: its own state
-        model_def, state = train_step.init_state(cfg, seed=rl.seed, **pretrained)
-        draft_def, draft_state = (None, None) if draft_cfg is None else _sft_state(draft_cfg, rl.seed)
+        model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed, **pretrained)
+        draft_def, draft_state = (
+            (None, None) if draft_cfg is None else _sft_state(draft_cfg, rl.seed, mesh=mesh)
+        )
         ref_params = _reference(state.params, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
         start_step, version, sft_done = 0, 0, 0
         if meta is not None:
             sft_done = meta.get("sft_step", rl.sft.steps)
             in_sft = sft_done < rl.sft.steps
             if in_sft:
-                _, state = _sft_state(cfg, rl.seed, params=state.params)
+                _, state = _sft_state(cfg, rl.seed, params=state.params, mesh=mesh)
             target = _pack(state, None if in_sft else ref_params, draft_state)
             tree, meta = ckpt.restore(target_state=target)
             state, restored_ref, draft_state = unpack(tree)
@@ -134,6 +147,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 start=sft_done,
                 resumed=meta is not None,
                 env_kwargs=env_kwargs,
+                mesh=mesh,
             )
             if sft_done < rl.sft.steps:  # preempted: keep the progress, resume it next time
                 ckpt.save(
@@ -142,7 +156,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 ckpt.wait()
                 return {"steps": 0, "preempted": True}
             model_def, state = train_step.init_state(
-                cfg, seed=rl.seed, params=state.params, model_state=state.model_state
+                cfg, mesh=mesh, seed=rl.seed, params=state.params, model_state=state.model_state
             )
             if ref_params is not None:
                 ref_params = _reference(state.params, rl.reference_dtype)
@@ -155,13 +169,14 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         from inference import Engine
 
         engine_cfg = validate.engine_config(cfg)
+        sampler_weights = lambda s: distributed.local_copy(train_step.weights(s), mesh)  # noqa: E731
         engine = Engine(
-            cfg, train_step.weights(state), engine_cfg, draft=_drafter(rl.engine, draft_cfg, draft_state)
+            cfg, sampler_weights(state), engine_cfg, draft=_drafter(rl.engine, draft_cfg, draft_state, mesh)
         )
         engine.version = version
         engine.warmup()
-        update = train_step.make_grpo_update(cfg, model_def)
-        distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def)
+        update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
+        distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def, mesh=mesh)
 
         # ---- Held-out evaluation ---------------------------------------------------------------------------
         heldout = data.heldout_tasks(cfg, tokenizer) if run_eval else {}
@@ -181,8 +196,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     max_turns=rl.max_turns,
                     chat=rl.chat,
                 )
-            with open(os.path.join(workdir, f"eval_{tag}.json"), "w") as f:
-                json.dump(results, f, indent=2, default=float)
+            if primary:
+                with open(os.path.join(workdir, f"eval_{tag}.json"), "w") as f:
+                    json.dump(results, f, indent=2, default=float)
             logger.log(step, evaluate_lib.flatten(results), progress=False)
             return results
 
@@ -194,6 +210,11 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             return {"steps": start_step, "preempted": True}
 
         # ---- The loop: batch -> update -> weights to the engine -> draft -> curriculum -> log -> checkpoint
+        # Each process rolls out its share of every round's global task draw (rl.distributed.TaskShard)
+        # into its rows of the global batch.
+        rows_here = cfg.batch_size // processes
+        row_axis = {"expert_indices": 1}
+
         def produce() -> pipeline.RolloutBatch:
             seed = rollout.derive_seed(rl.seed, "batch", source.next_batch_index())
             version_now = engine.version
@@ -202,7 +223,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 pool,
                 source.next_tasks,
                 tokenizer,
-                groups=rl.prompts_per_step,
+                groups=rl.prompts_per_step // processes,
+                shard=distributed.TaskShard(source.next_tasks) if processes > 1 else None,
                 n=rl.group_size,
                 sampling=rollout.sampling_params(rl, tokenizer, seed=seed, n=rl.group_size),
                 max_attempts=rl.max_attempts,
@@ -210,14 +232,16 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 chat=rl.chat,
                 reward_tol=rl.reward_tol,
             )
+            drawn = _global_draws(drawn, domains) if processes > 1 else drawn
             batch, stats = None, {}
-            if samples:  # else every group was filtered out: nothing to learn from this round
+            # Else every group (of every process) was filtered out: nothing to learn from this round.
+            if samples or (processes > 1 and distributed.any_process(bool(samples))):
                 batch, stats = rollout.make_batch(
                     samples,
                     adv_std=rl.advantage_std,
                     length_bucket=cfg.seq_len,
                     max_len=cfg.seq_len,
-                    rows=cfg.batch_size,
+                    rows=rows_here,
                     routing=rl.routing_replay,
                 )
             versions = [s.version for s in samples if s.version is not None]
@@ -236,7 +260,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         step, spec_before = start_step, _spec_counts(engine)
         try:
             while step < rl.steps:
-                if handle.requested:
+                if distributed.any_process(handle.requested):
                     ckpt.save(step, _pack(state, ref_params, draft_state), source.state(step, engine.version))
                     ckpt.wait()
                     return {"steps": step, "preempted": True, "engine": engine.stats()}
@@ -245,15 +269,17 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 if item.batch is None:  # no group with a reward signal: no update this step
                     step_metrics["train/skipped"] = 1.0
                 else:
-                    state, update_metrics = update(state, item.batch, ref_params=ref_params)
+                    shardings = train_step.batch_shardings(cfg, tuple(item.batch), mesh, cfg.batch_size)
+                    batch = distributed.global_batch(item.batch, shardings, row_axis)
+                    state, update_metrics = update(state, batch, ref_params=ref_params)
                     step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
-                    engine.update_params(train_step.weights(state))  # with the selection biases
+                    engine.update_params(sampler_weights(state))  # with the selection biases
                     if distill is not None:
-                        draft_batch = {k: item.batch[k] for k in train_step.SFT_KEYS}
+                        draft_batch = {k: batch[k] for k in train_step.SFT_KEYS}
                         for _ in range(rl.draft_train_steps):
                             draft_state, dm = distill(draft_state, draft_batch)
                         step_metrics["draft/cross_entropy"] = float(dm["cross_entropy"])
-                        engine.update_draft_params(train_step.weights(draft_state))
+                        engine.update_draft_params(sampler_weights(draft_state))
                 step_metrics["pipeline/train_s"] = time.perf_counter() - t0
                 step += 1
                 step_metrics.update(item.metrics)
@@ -263,7 +289,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     step_metrics.update(_spec_metrics(spec_before, spec_now))
                     spec_before = spec_now
                     logger.log(step, step_metrics)
-                    _log_samples(workdir, step, item.samples)
+                    if primary:
+                        _log_samples(workdir, step, item.samples)
                 if ckpt.should_save(step):
                     ckpt.save(step, _pack(state, ref_params, draft_state), source.state(step, engine.version))
         finally:
@@ -280,7 +307,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             after = evaluate("after", step) if run_eval else None
         except Preempted:
             return {"steps": step, "preempted": True, "engine": engine.stats()}
-        if before is not None and after is not None:
+        if before is not None and after is not None and primary:
             print(format_comparison(before, after), flush=True)
         return {"before": before, "after": after, "steps": step, "engine": engine.stats()}
     finally:
@@ -392,27 +419,27 @@ def _pretrained(cfg) -> dict:
     return {"params": params, "model_state": model_state}
 
 
-def _sft_state(cfg, seed: int, *, params=None, model_state=None):
+def _sft_state(cfg, seed: int, *, params=None, model_state=None, mesh=None):
     """(model def, train state) with the SFT optimizer (rl.sft.optim over rl.optim)."""
     from rl import train_step
 
     sft_cfg = ml_collections.ConfigDict(cfg.to_dict())
     sft_cfg.rl.optim.update(dict(cfg.rl.sft.optim))
-    return train_step.init_state(sft_cfg, seed=seed, params=params, model_state=model_state)
+    return train_step.init_state(sft_cfg, mesh=mesh, seed=seed, params=params, model_state=model_state)
 
 
-def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed, env_kwargs):
+def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed, env_kwargs, mesh):
     """The warm start: rl.sft.steps supervised steps from `start` (the policy, and the draft model on the
     same batches). Returns (state, draft_state, steps done); fewer than rl.sft.steps when preempted."""
-    from rl import sft
+    from rl import distributed, sft
 
     rl = cfg.rl
     draft_cfg, draft_def, draft_state = draft
     sft_cfg = ml_collections.ConfigDict(cfg.to_dict())
     sft_cfg.rl.optim.update(dict(rl.sft.optim))
     if not resumed:  # a fresh state: SFT has its own optimizer settings (the selection biases stay)
-        _, state = _sft_state(cfg, rl.seed, params=state.params, model_state=state.model_state)
-    sft_def, _ = _sft_state(cfg, rl.seed, params=state.params)
+        _, state = _sft_state(cfg, rl.seed, params=state.params, model_state=state.model_state, mesh=mesh)
+    sft_def, _ = _sft_state(cfg, rl.seed, params=state.params, mesh=mesh)
     weights = {d: float(w) for d, w in rl.sft.weights.items()} or None
     t0 = time.perf_counter()
 
@@ -430,8 +457,9 @@ def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed
         noise=rl.sft.noise,
         seed=rl.seed,
         start=start,
-        should_stop=lambda: handle.requested,
+        should_stop=lambda: distributed.any_process(handle.requested),
         env_kwargs=env_kwargs,
+        mesh=mesh,
     )
     batches = []  # the draft model learns from the same tasks: record them for it
     next_tasks = lambda n: _recorded(batches, source.next_tasks(n, weights))
@@ -500,9 +528,9 @@ def unpack(tree):
     return tree["train"], tree.get("reference"), tree.get("draft")
 
 
-def _drafter(engine_cfg, draft_cfg, draft_state):
+def _drafter(engine_cfg, draft_cfg, draft_state, mesh):
     from inference import GroupDrafter, ModelDrafter, MTPDrafter, NgramDrafter
-    from rl import train_step
+    from rl import distributed, train_step
 
     kind = engine_cfg.draft
     if kind == "mtp":
@@ -512,8 +540,26 @@ def _drafter(engine_cfg, draft_cfg, draft_state):
     if kind == "group":
         return GroupDrafter(engine_cfg.draft_ngram)
     if kind == "model":
-        return ModelDrafter(draft_cfg, train_step.weights(draft_state))
+        return ModelDrafter(draft_cfg, distributed.local_copy(train_step.weights(draft_state), mesh))
     return None
+
+
+def _global_draws(drawn: dict, domains: Sequence[str]) -> dict:
+    """Every process's draws per domain, summed (the curriculum is replicated: it must see them all)."""
+    from rl import distributed
+    from rl.rollout import DomainDraw
+
+    zero = DomainDraw()
+    local = [drawn.get(d, zero) for d in domains]
+    rows = distributed.allgather(
+        [x for d in local for x in (d.samples, d.reward_sum, d.tokens, d.sandbox_seconds)]
+    )
+    total = rows.sum(axis=0).reshape(len(domains), 4)
+    out = {}
+    for d, (n, reward, tokens, seconds) in zip(domains, total):
+        if n:
+            out[d] = DomainDraw(int(round(n)), float(reward), int(round(tokens)), float(seconds))
+    return out
 
 
 def _rollout_metrics(counts, stats, drawn, samples) -> dict[str, float]:

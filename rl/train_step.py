@@ -58,7 +58,7 @@ from model import seeds, sharding
 from model.moe import update_bias_state
 from model.mtp import mtp_loss
 from model.transformer import Transformer, build, next_token_loss
-from rl import grpo
+from rl import distributed, grpo
 
 Batch = dict[str, jax.Array]
 BT = ("act_batch", "act_length")
@@ -171,8 +171,43 @@ def _tree_shardings(tree: Any, mesh: jax.sharding.Mesh, rules) -> Any:
     )
 
 
-def _batch_shardings(keys, mesh, rules) -> dict[str, NamedSharding]:
-    return {k: NamedSharding(mesh, sharding.mesh_spec(BATCH_AXES[k], rules, mesh)) for k in keys}
+def _batch_shardings(keys, mesh, rules, rows: int | None = None) -> dict[str, NamedSharding]:
+    """Batch entries by their logical axes; with `rows`, the row dimension keeps only the leading mesh axes
+    whose sizes divide it (a mini-batch of 4 rows on 8 data shards is split over what divides 4)."""
+    out = {}
+    for k in keys:
+        spec = sharding.mesh_spec(BATCH_AXES[k], rules, mesh)
+        if rows is not None:
+            spec = _fit_rows(spec, BATCH_AXES[k].index("act_batch"), rows, mesh)
+        out[k] = NamedSharding(mesh, spec)
+    return out
+
+
+def _fit_rows(spec: PartitionSpec, axis: int, rows: int, mesh) -> PartitionSpec:
+    entries = list(spec) + [None] * (axis + 1 - len(spec))
+    names = entries[axis]
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    kept, size = [], 1
+    for name in names:
+        if rows % (size * mesh.shape[name]):
+            break
+        kept.append(name)
+        size *= mesh.shape[name]
+    entries[axis] = tuple(kept) if len(kept) > 1 else (kept[0] if kept else None)
+    return PartitionSpec(*entries)
+
+
+def batch_shardings(cfg, keys, mesh, rows: int) -> dict[str, NamedSharding]:
+    """The shardings the train step takes a batch of `rows` rows in (`rl.distributed.global_batch`)."""
+    return _batch_shardings(keys, mesh, tuple(cfg.mesh.rules), rows)
+
+
+def batch_shard_count(cfg, mesh) -> int:
+    """Mesh devices the batch rows are split over (act_batch): rollout batches must divide by it."""
+    spec = sharding.mesh_spec(BATCH_AXES["tokens_BT"], tuple(cfg.mesh.rules), mesh)
+    names = spec[0] if len(spec) else None
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    return int(np.prod([mesh.shape[n] for n in names])) if names else 1
 
 
 # --- State --------------------------------------------------------------------------------------------------
@@ -202,13 +237,23 @@ def init_state(
     if mesh is None:
         return ModelDef(graphdef, rest), TrainState(params, optimizer.init(params), step, rng, rest)
     rules = cfg.mesh.rules
+    if jax.process_count() > 1:  # one process's arrays (e.g. a loaded checkpoint) cannot move to others
+        params, rest = _host_local(params), _host_local(rest)
     with jax.set_mesh(mesh):
         params = jax.device_put(params, _tree_shardings(params, mesh, rules))
         rest = jax.device_put(rest, _tree_shardings(rest, mesh, rules))
         opt_shardings = _tree_shardings(jax.eval_shape(optimizer.init, params), mesh, rules)
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-        step, rng = jax.device_put((step, rng), NamedSharding(mesh, PartitionSpec()))
+        # Made on the mesh (a typed key has no host form to place on devices of other processes).
+        scalars = lambda: (jnp.zeros((), jnp.int32), seeds.key(seed))  # noqa: E731
+        step, rng = jax.jit(scalars, out_shardings=NamedSharding(mesh, PartitionSpec()))()
     return ModelDef(graphdef, rest), TrainState(params, opt_state, step, rng, rest)
+
+
+def _host_local(tree: Any) -> Any:
+    """Arrays held by this process alone, as host arrays (every process holds the same values)."""
+    local = lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x  # noqa: E731
+    return jax.tree.map(local, tree)
 
 
 def _abstract_state(cfg, optimizer) -> TrainState:
@@ -264,7 +309,12 @@ def _token_logprobs(cfg, logits_BTV: jax.Array, tokens_BT: jax.Array, *, process
 
 
 def make_logprobs(
-    cfg: ml_collections.ConfigDict, graphdef, *, replay: bool | None = None, processed: bool = True
+    cfg: ml_collections.ConfigDict,
+    graphdef,
+    *,
+    replay: bool | None = None,
+    processed: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
 ):
     """Jitted `fn(params, batch, rest=None) -> logp_BT` (teacher-forced, under the sampler's processing),
     for the proximal and reference log-probs; `rest` is the model's current non-Param state (default: the
@@ -276,11 +326,18 @@ def make_logprobs(
         logits_BTV, _ = policy_forward(cfg, graphdef, params, batch, replay=replay, rest=rest)
         return _token_logprobs(cfg, logits_BTV, batch["tokens_BT"], processed=processed)
 
-    jitted = jax.jit(fn)
+    jitted = distributed.Together(jax.jit(fn), "logprobs")
     keys = ("tokens_BT", "positions_BT") + (
         ("expert_indices",) if (cfg.rl.routing_replay if replay is None else replay) else ()
     )
-    return lambda params, batch, rest=None: jitted(params, _select(batch, keys), rest)
+    if mesh is None:
+        return lambda params, batch, rest=None: jitted(params, _select(batch, keys), rest)
+
+    def on_mesh(params, batch, rest=None):
+        with jax.set_mesh(mesh):
+            return jitted(params, _select(batch, keys), rest)
+
+    return on_mesh
 
 
 def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
@@ -408,20 +465,34 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
         jitted = jax.jit(step, donate_argnums=0)
         return lambda state, batch: jitted(state, _select(batch, keys))
     state_shardings = _tree_shardings(_abstract_state(cfg, optimizer), mesh, rules)
-    batch_shardings = _batch_shardings(keys, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(
-        step,
-        in_shardings=(state_shardings, batch_shardings),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=0,
-    )
+    by_rows: dict[int, tuple] = {}  # one executable per batch row count (rollout batch, mini-batch, SFT)
 
     def step_fn(state, batch):
+        batch = _select(batch, keys)
+        rows = int(batch["tokens_BT"].shape[0])
+        if rows not in by_rows:
+            shardings = _batch_shardings(keys, mesh, rules, rows)
+            jitted = jax.jit(
+                step,
+                in_shardings=(state_shardings, shardings),
+                out_shardings=(state_shardings, replicated),
+                donate_argnums=0,
+            )
+            by_rows[rows] = (distributed.Together(jitted, f"train_step:{rows}"), shardings)
+        jitted, shardings = by_rows[rows]
         with jax.set_mesh(mesh):
-            return jitted(state, jax.device_put(_select(batch, keys), batch_shardings))
+            return jitted(state, _placed(batch, shardings))
 
     return step_fn
+
+
+def _placed(batch: Batch, shardings: dict[str, NamedSharding]) -> Batch:
+    """Host rows (the same on every process) or global arrays, in the step's shardings."""
+    return {
+        k: v if isinstance(v, jax.Array) and v.sharding == shardings[k] else jax.device_put(v, shardings[k])
+        for k, v in batch.items()
+    }
 
 
 def _reduce_micro(name: str, values_M: jax.Array) -> jax.Array:
@@ -492,19 +563,21 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
     the updates, `*_max` / `*_min` their extremes, and `updates` the count."""
     rl = cfg.rl
     step_fn = make_train_step(cfg, graphdef, mesh=mesh)
-    proximal_fn = make_logprobs(cfg, graphdef)
-    ref_fn = make_logprobs(cfg, graphdef, replay=False, processed=False)
+    proximal_fn = make_logprobs(cfg, graphdef, mesh=mesh)
+    ref_fn = make_logprobs(cfg, graphdef, replay=False, processed=False, mesh=mesh)
     epochs, minis = int(rl.ppo_epochs), int(rl.mini_batches)
     use_kl = rl.loss.kl_kind != "none"
 
     def update(state: TrainState, batch: dict, *, ref_params: nnx.State | None = None):
         batch = dict(batch)
+        on_device = isinstance(batch["tokens_BT"], jax.Array)  # global arrays (rl.distributed.global_batch)
+        keep = (lambda x: x) if on_device else np.asarray
         if use_kl:
             if ref_params is None:
                 raise ValueError(f"rl.loss.kl_kind={rl.loss.kl_kind!r} needs the reference parameters")
-            batch["ref_logp_BT"] = np.asarray(ref_fn(ref_params, batch))
+            batch["ref_logp_BT"] = keep(ref_fn(ref_params, batch))
         if epochs * minis > 1:
-            batch["proximal_logp_BT"] = np.asarray(proximal_fn(state.params, batch, state.model_state))
+            batch["proximal_logp_BT"] = keep(proximal_fn(state.params, batch, state.model_state))
         rows = batch["tokens_BT"].shape[0]
         if rows % minis:
             raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
@@ -516,12 +589,26 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
             order = rng.permutation(rows) if minis > 1 else np.arange(rows)
             for m in range(minis):
                 idx = np.sort(order[m * per : (m + 1) * per])
-                mb = {k: v[:, idx] if k == "expert_indices" else v[idx] for k, v in batch.items()}
+                mb = batch if minis == 1 else _take_rows(batch, idx)
                 state, metrics = step_fn(state, mb)
                 history.append(jax.device_get(metrics))
         return state, _combine_updates(history)
 
     return update
+
+
+def _take_rows(batch: Batch, idx_R: np.ndarray) -> Batch:
+    """The rows `idx_R` of every entry (rows on axis 1 of expert_indices): host arrays are indexed on the
+    host, global arrays on their devices (the same indices on every process)."""
+    out = {}
+    for k, v in batch.items():
+        axis = 1 if k == "expert_indices" else 0
+        out[k] = (
+            jnp.take(v, jnp.asarray(idx_R), axis=axis)
+            if isinstance(v, jax.Array)
+            else np.take(v, idx_R, axis)
+        )
+    return out
 
 
 def _combine_updates(history: list[dict]) -> dict[str, float]:

@@ -138,6 +138,47 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_engine(cfg)
 
 
+def check_mesh(cfg: ml_collections.ConfigDict, processes: int, *, batch_shards: int) -> None:
+    """What the processes and the trainer's mesh (`rl.distributed`) need of the config, checked once the
+    mesh exists and before any other array does."""
+    rl = cfg.rl
+    rows = rl.prompts_per_step * rl.group_size
+    if processes > 1:
+        _check(
+            rl.prompts_per_step % processes == 0,
+            "prompts_per_step",
+            rl.prompts_per_step,
+            f"must divide over the {processes} processes (each rolls out an equal share of the groups)",
+        )
+        _check(
+            rows % batch_shards == 0,
+            "group_size",
+            rl.group_size,
+            f"gives {rows} rows (rl.prompts_per_step * rl.group_size), which must divide over the "
+            f"{batch_shards} devices of the batch axes (mesh.shape data * fsdp * expert) when the run spans "
+            "processes; change either, or the mesh",
+        )
+        _check(
+            rl.sft.rows % processes == 0,
+            "sft.rows",
+            rl.sft.rows,
+            f"must divide over the {processes} processes",
+        )
+        _check(
+            not rl.async_rollout,
+            "async_rollout",
+            rl.async_rollout,
+            "is not supported across processes yet (the producer thread's collectives would interleave "
+            "with the trainer's); set rl.async_rollout=False for a multi-process run",
+        )
+        _check(
+            rl.advantage_std != "batch",
+            "advantage_std",
+            rl.advantage_std,
+            "'batch' would divide by each process's own reward std; use 'group' or 'none' across processes",
+        )
+
+
 def _check_domains(cfg, registry, curriculum) -> None:
     rl = cfg.rl
     domains = list(rl.domains)
