@@ -18,6 +18,7 @@ from ml_collections import ConfigDict
 
 from model import config as config_lib
 from model import sharding
+from model.plan_format import format_table  # noqa: F401  (the table of `plan`, used by model.demo)
 from model.transformer import Transformer
 
 EMBED_PATH = ("embed", "embedding")
@@ -141,13 +142,17 @@ def _num_shards(entry, sizes: dict[str, int]) -> int:
 
 
 def param_bytes_per_device(
-    cfg: ConfigDict, mesh_shape: Mapping[str, int], state: nnx.State | None = None
+    cfg: ConfigDict,
+    mesh_shape: Mapping[str, int],
+    state: nnx.State | None = None,
+    *,
+    dtype: str | None = None,
 ) -> dict[str, Shard]:
     """'/'-joined parameter path -> `Shard` (its bytes on one device, evenness, expert or not).
 
     The PartitionSpec comes from the parameter's `logical_axes` and cfg.mesh.rules; each dim is
-    split over the product of its mesh axes' sizes, rounded up when uneven. Bytes use the
-    parameter's own dtype (param_dtype, except the router, which is always f32).
+    split over the product of its mesh axes' sizes, rounded up when uneven. Bytes use `dtype` when
+    given, else the parameter's own dtype (param_dtype, except the router, which is always f32).
     """
     sizes, rules = mesh_sizes(mesh_shape), tuple(cfg.mesh.rules)
     out = {}
@@ -156,7 +161,7 @@ def param_bytes_per_device(
         shards = [_num_shards(entry, sizes) for entry in spec]
         local = math.prod(-(-dim // n) for dim, n in zip(v.shape, shards))
         even = all(dim % n == 0 for dim, n in zip(v.shape, shards))
-        nbytes = local * jnp.dtype(v.dtype).itemsize
+        nbytes = local * jnp.dtype(dtype or v.dtype).itemsize
         out["/".join(map(str, path))] = Shard(nbytes, even, _is_expert(v))
     return out
 
@@ -241,18 +246,24 @@ def plan(
 ) -> dict:
     """Counts, FLOPs per token and per-device bytes of an AdamW training step, JSON-ready.
 
-    Gradients take the parameters' bytes (same dtype), AdamW's mu and nu twice that (optax keeps
-    them in the parameter dtype). `fits` compares the total with `hbm_gib`; `warnings` lists what
+    Gradients are f32 whatever param_dtype (the train step accumulates them in f32 over
+    micro-batches), AdamW's mu and nu take twice the parameters' bytes (optax keeps them in the
+    parameter dtype). `fits` compares the total with `hbm_gib`; `warnings` lists what
     a real run on this mesh would reject: dims that do not divide their mesh axes, a batch or a
-    length that does not divide over its shards.
+    length that does not divide over its shards. With `cfg.rl.micro_batches` = M (a GRPO config),
+    activations are those of one micro-batch of batch / M rows.
     """
     sizes = mesh_sizes(mesh_shape)
+    micro = int(cfg.rl.micro_batches) if "rl" in cfg else 1
     state = abstract_params(cfg)
     counts = _count(cfg, state)
     shards = param_bytes_per_device(cfg, sizes, state)
     param_bytes = sum(s.bytes_per_device for s in shards.values())
-    activation_bytes = activation_bytes_per_device(cfg, sizes, batch, seq_len)
-    total_bytes = 4 * param_bytes + activation_bytes  # parameters, gradients, mu, nu
+    grad_bytes = sum(
+        s.bytes_per_device for s in param_bytes_per_device(cfg, sizes, state, dtype="float32").values()
+    )
+    activation_bytes = activation_bytes_per_device(cfg, sizes, -(-batch // micro), seq_len)
+    total_bytes = 3 * param_bytes + grad_bytes + activation_bytes  # parameters, mu, nu; gradients
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     warnings = [f"{p} does not divide over its mesh axes" for p, s in shards.items() if not s.even]
     if batch % batch_shards:
@@ -264,6 +275,7 @@ def plan(
         "devices": math.prod(sizes.values()),
         "batch": batch,
         "seq_len": seq_len,
+        "micro_batches": micro,
         "remat": cfg.model.remat,
         **{f"params_{k}": v for k, v in counts.items()},
         "flops_per_token_train": _flops(cfg, counts, seq_len, True),
@@ -271,7 +283,7 @@ def plan(
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
         "param_bytes_per_device": param_bytes,
         "expert_param_bytes_per_device": sum(s.bytes_per_device for s in shards.values() if s.expert),
-        "grad_bytes_per_device": param_bytes,
+        "grad_bytes_per_device": grad_bytes,
         "adamw_bytes_per_device": 2 * param_bytes,
         "activation_bytes_per_device": activation_bytes,
         "total_bytes_per_device": total_bytes,
@@ -281,44 +293,17 @@ def plan(
     }
 
 
-def _si(n: float) -> str:
-    e, s = next((e, s) for e, s in ((12, "T"), (9, "B"), (6, "M"), (3, "K"), (0, "")) if n >= 10**e)
-    return f"{n / 10**e:.3g}{s}"
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
-
-
-def format_table(p: dict) -> str:
-    """The plan as a human-readable table."""
-    mesh = " ".join(f"{a}={s}" for a, s in p["mesh"].items())
-    rows = [
-        ("mesh", f"{mesh}  ({p['devices']} devices)"),
-        ("tokens", f"batch {p['batch']} x seq_len {p['seq_len']}, remat {p['remat']}"),
-        ("params", f"{_si(p['params_total'])} total, {_si(p['params_active'])} active"),
-        ("  routed experts", _si(p["params_experts"])),
-        ("  embeddings", f"{_si(p['params_embedding'])} in, {_si(p['params_unembedding'])} out"),
-        (
-            "FLOPs/token",
-            f"{p['flops_per_token_train']:.4g} train, {p['flops_per_token_forward']:.4g} forward",
-        ),
-        ("KV cache/token", f"{p['kv_cache_bytes_per_token']:,} bytes (compute dtype, all layers)"),
-        ("params/device", _gib(p["param_bytes_per_device"])),
-        ("  routed experts", _gib(p["expert_param_bytes_per_device"])),
-        (
-            "grads, adamw/device",
-            f"{_gib(p['grad_bytes_per_device'])}, {_gib(p['adamw_bytes_per_device'])}",
-        ),
-        ("activations/device", _gib(p["activation_bytes_per_device"])),
-        ("total/device", _gib(p["total_bytes_per_device"])),
-        (f"fits {p['hbm_gib']:g} GiB", "yes" if p["fits"] else "NO"),
-    ] + [("warning", w) for w in p["warnings"]]
-    return "\n".join(f"{k:<20}{v}" for k, v in rows)
+def tokens_per_device(mesh_shape: Mapping[str, int], batch: int, seq_len: int) -> int:
+    """Tokens of one device's rows: ceil(batch / (data*fsdp*expert)) * ceil(seq_len / sequence)."""
+    sizes = mesh_sizes(mesh_shape)
+    rows = -(-batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]))
+    return rows * -(-seq_len // sizes["sequence"])
 
 
 def main(argv: list[str]) -> None:
     from absl import app, flags
+
+    from model import plan_format, plan_rollout
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -328,7 +313,27 @@ def main(argv: list[str]) -> None:
     batch = cfg.batch_size if f.batch is None else f.batch
     seq_len = cfg.seq_len if f.seq_len is None else f.seq_len
     result = plan(cfg, mesh, batch, seq_len, hbm_gib=f.hbm_gib)
-    print(json.dumps(result) if f.json else format_table(result))
+    micro = result["micro_batches"]
+    a2a_tokens = f.a2a_tokens or tokens_per_device(mesh, -(-batch // micro), seq_len)
+    result["train_a2a"] = plan_rollout.all_to_all_plan(cfg, mesh, a2a_tokens, micro_batches=micro)
+    if f.inference_mesh:
+        infer = parse_mesh(f.inference_mesh)
+        result.update(
+            plan_rollout.rollout_plan(
+                cfg,
+                infer,
+                context=f.context,
+                hbm_gib=f.hbm_gib,
+                weight_dtype=f.inference_dtype,
+                kv_dtype=f.kv_dtype,
+            )
+        )
+        result["rollout_a2a"] = plan_rollout.all_to_all_plan(cfg, infer, a2a_tokens)
+    if f.xla:
+        from model import plan_xla
+
+        result.update(plan_xla.xla_plan(cfg, mesh, batch, seq_len, result))
+    print(json.dumps(result) if f.json else plan_format.format_all(result))
 
 
 if __name__ == "__main__":
@@ -340,7 +345,26 @@ if __name__ == "__main__":
     flags.DEFINE_string("mesh", None, "axis:size,... replacing cfg.mesh.shape; unnamed axes are 1")
     flags.DEFINE_integer("batch", None, "rows per step (default cfg.batch_size)")
     flags.DEFINE_integer("seq_len", None, "tokens per row (default cfg.seq_len)")
-    flags.DEFINE_float("hbm_gib", 95.0, "memory of one device in GiB")
+    flags.DEFINE_float("hbm_gib", 95.0, "memory of one device in GiB (default: a TPU v5p chip's 95)")
     flags.DEFINE_bool("json", False, "print one JSON line instead of a table")
+    flags.DEFINE_bool(
+        "xla",
+        False,
+        "also compile the GRPO train step for --mesh on this machine's devices and print XLA's "
+        "memory_analysis() beside the estimate (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
+    flags.DEFINE_string(
+        "inference_mesh",
+        None,
+        "axis:size,... of the engine's mesh: prints weights, KV and sequences per device",
+    )
+    flags.DEFINE_integer("context", 32768, "tokens of one rollout sequence (prompt + completion)")
+    flags.DEFINE_string("inference_dtype", None, "dtype of the engine's weights (default: param_dtype)")
+    flags.DEFINE_string("kv_dtype", None, "dtype of the KV cache (default: compute_dtype)")
+    flags.DEFINE_integer(
+        "a2a_tokens",
+        None,
+        "tokens per device for the all-to-all bytes (default: one micro-batch's on --mesh)",
+    )
     flags.mark_flag_as_required("config")
     app.run(main)

@@ -13,7 +13,7 @@ from flax import nnx
 
 import model
 from configs import deepseek_v3, moe_1t, small, tiny
-from model import plan, sharding
+from model import plan, plan_rollout, plan_xla, sharding
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -205,15 +205,26 @@ def test_parse_mesh():
         plan.parse_mesh("data=8")
 
 
-def _cli(*args: str) -> str:
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "model.plan", "--config=configs/tiny.py", *args]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def _cli(*args: str) -> str:
+    done = _run_cli(*args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def test_cli_json_line():
-    out = _cli("--json", "--mesh=data:2,tensor:2", "--seq_len=16", "--config.model.d_ff=64")
+    out = _cli(
+        "--json",
+        "--mesh=data:2,tensor:2",
+        "--seq_len=16",
+        "--config.model.d_ff=64",
+        "--inference_mesh=expert:2,tensor:2",
+        "--context=64",
+    )
     lines = out.strip().splitlines()
     assert len(lines) == 1
     p = json.loads(lines[0])
@@ -234,8 +245,180 @@ def test_cli_json_line():
         "fits",
     ):
         assert key in p
+    # The rollout entries: the hand-derived tiny figures of test_rollout_weights_kv_and_sequences_by_hand.
+    assert p["kv_bytes_per_token_per_device"] == 256
+    assert (p["context"], p["inference_devices"]) == (64, 4)
+    assert p["train_a2a"] == {}  # no expert axis in --mesh
+    assert p["rollout_a2a"]["a2a_tokens_per_device"] == 4 * 16  # 8 rows over data 2, 16 tokens each
 
 
 def test_cli_table():
     out = _cli("--hbm_gib=80")
     assert "fits 80 GiB" in out and "params" in out
+
+
+def test_gradients_are_f32_whatever_param_dtype():
+    # The train step accumulates gradients in f32 (rl.train_step: the micro-batch scan's carry).
+    # tiny in bf16 on one device: 230272 params, of which the routers' 2 x 64 x 4 = 512 stay f32.
+    cfg = tiny.get_config()
+    cfg.model.param_dtype = "bfloat16"
+    p = plan.plan(cfg, {}, 8, 32)
+    assert p["param_bytes_per_device"] == (230272 - 512) * 2 + 512 * 4 == 461_568
+    assert p["grad_bytes_per_device"] == 230272 * 4
+    assert p["adamw_bytes_per_device"] == 2 * 461_568
+
+
+# --- rollout memory ----------------------------------------------------------------------------------------
+
+
+def test_inference_rules_drop_data_and_fsdp():
+    rules = (
+        ("embed", "fsdp"),
+        ("vocab", "tensor"),
+        ("exp", "expert"),
+        ("act_batch", ("data", "fsdp", "expert")),
+    )
+    assert plan_rollout.inference_rules(rules) == (
+        ("embed", None),
+        ("vocab", "tensor"),
+        ("exp", "expert"),
+        ("act_batch", "expert"),
+    )
+
+
+def test_rollout_weights_kv_and_sequences_by_hand():
+    # tiny (f32) on expert:2 x tensor:2, inference layout (embed replicated), elements per device:
+    #   embedding 256 x 64 and unembedding 64 x 256, vocab over tensor: 128 x 64 each   -> 16384
+    #   final norm                                                                      ->    64
+    #   per layer: q (64, 4 heads, 16) and o, heads over tensor: 64 x 2 x 16 each        ->  4096
+    #              k, v (64, 2 kv heads, 16), kv heads over tensor: 64 x 1 x 16 each     ->  2048
+    #              q_norm, k_norm 16 each; attn_norm, mlp_norm 64 each; router 64 x 4   ->   416
+    #              experts gate, up, down (4, 64, 96): 2 experts x 64 x 48 each          -> 18432
+    #              shared gate, up, down 64 x 64, mlp over tensor: 64 x 32 each          ->  6144
+    #   per layer 31136; two layers 62272; total 78720 elements = 314,880 bytes in f32.
+    cfg = tiny.get_config()
+    mesh = {"expert": 2, "tensor": 2}
+    # KV: 2 layers x (k, v) x 2 kv heads x 16 x 4 bytes = 512 per token; 2 kv heads over tensor 2: 256.
+    # HBM 1 MiB: (1,048,576 - 314,880) // (64 tokens x 256) = 733,696 // 16,384 = 44 sequences per
+    # device (45 would need 737,280); 4 devices / tensor 2 = 2 groups hold 88.
+    r = plan_rollout.rollout_plan(cfg, mesh, context=64, hbm_gib=1 / 1024)
+    assert r["weight_bytes_per_device"] == 78720 * 4 == 314_880
+    assert r["expert_weight_bytes_per_device"] == 2 * 18432 * 4
+    assert r["kv_cache_bytes_per_token"] == 512
+    assert r["kv_sharded_over_tensor"] and r["kv_bytes_per_token_per_device"] == 256
+    assert r["kv_bytes_per_sequence_per_device"] == 16_384
+    assert (r["sequences_per_device"], r["sequences_on_mesh"]) == (44, 88)
+    assert r["rollout_warnings"] == []
+    # Weights in bf16 halve; 2 kv heads do not divide over tensor 4, so the cache is replicated there.
+    half = plan_rollout.rollout_plan(cfg, mesh, context=64, hbm_gib=1 / 1024, weight_dtype="bfloat16")
+    assert half["weight_bytes_per_device"] == 78720 * 2
+    assert plan_rollout.kv_bytes_per_token_per_device(cfg, 4) == 512
+
+
+def test_rollout_mla_cache_replicated_over_tensor():
+    # tiny:deepseek's MLA cache row: kv_lora 32 + qk_rope 8 = 40 values per layer, 2 layers, f32:
+    # 320 bytes per token, the same on every device of a tensor group (one latent for all heads).
+    cfg = tiny.get_config("deepseek")
+    r = plan_rollout.rollout_plan(cfg, {"tensor": 2}, context=8, hbm_gib=1.0)
+    assert r["kv_cache_bytes_per_token"] == r["kv_bytes_per_token_per_device"] == 2 * 40 * 4
+    assert not r["kv_sharded_over_tensor"]
+
+
+def test_rollout_refuses_and_warns():
+    cfg = tiny.get_config()
+    with pytest.raises(ValueError, match="--context"):
+        plan_rollout.rollout_plan(cfg, {}, context=0)
+    with pytest.raises(ValueError, match="--kv_dtype='bf16'"):
+        plan_rollout.rollout_plan(cfg, {}, context=8, kv_dtype="bf16")
+    r = plan_rollout.rollout_plan(cfg, {}, context=8, hbm_gib=1 / 2**20)  # 1 KiB: below the weights
+    assert r["sequences_per_device"] == 0
+    assert any("exceed" in w for w in r["rollout_warnings"])
+
+
+def test_moe_1t_rollout_on_v5p_512_layout():
+    # 512 chips as expert:64 x tensor:8; MLA's 70,272 bytes per token sit whole on every chip.
+    r = plan_rollout.rollout_plan(
+        moe_1t.get_config(), {"expert": 64, "tensor": 8}, context=32768, weight_dtype="bfloat16"
+    )
+    assert r["inference_devices"] == 512
+    assert r["kv_bytes_per_token_per_device"] == 70_272
+    assert r["kv_bytes_per_sequence_per_device"] == 32768 * 70_272
+    free = 95 * 2**30 - r["weight_bytes_per_device"]
+    assert r["sequences_per_device"] == free // (32768 * 70_272) > 0
+    assert r["sequences_on_mesh"] == r["sequences_per_device"] * 64
+
+
+# --- MoE all-to-all ----------------------------------------------------------------------------------------
+
+
+def _balanced_a2a_bytes(tokens: int, top_k: int, d: int, itemsize: int, ep: int, num_experts: int) -> int:
+    """An independent count: a device's tokens * top_k assignments go round-robin over all experts
+    (balanced when num_experts divides them), expert e lives on device e // (num_experts / ep); the
+    rows whose expert is on another device are sent once to dispatch and once to combine."""
+    import numpy as np
+
+    expert_A = np.arange(tokens * top_k) % num_experts
+    home = 0  # by symmetry every device sends the same; take device 0
+    remote = np.count_nonzero(expert_A // (num_experts // ep) != home)
+    return 2 * int(remote) * d * itemsize
+
+
+def test_all_to_all_bytes_by_hand_and_by_count():
+    # 16 tokens, top-2, D 64, f32, expert axis 4: 2 * 16 * 2 * 64 * 4 * 3/4 = 12,288 bytes.
+    # Counted: 32 assignments over 4 experts (1 per device), 8 stay, 24 rows of 256 bytes leave, twice.
+    assert plan_rollout.all_to_all_bytes_per_layer(16, 2, 64, 4, 4) == 12_288
+    assert _balanced_a2a_bytes(16, 2, 64, 4, 4, 4) == 12_288
+    # Kimi K2 geometry: 4096 tokens, top-8, D 7168, bf16, 64 expert shards of 6 experts each.
+    kimi = plan_rollout.all_to_all_bytes_per_layer(4096, 8, 7168, 2, 64)
+    assert kimi == 2 * 4096 * 8 * 7168 * 2 * 63 // 64 == 924_844_032
+    # Counted on 48 tokens (384 assignments, one per expert: exactly balanced): 378 leave device 0.
+    assert plan_rollout.all_to_all_bytes_per_layer(48, 8, 7168, 2, 64) == 2 * 378 * 7168 * 2
+    assert _balanced_a2a_bytes(48, 8, 7168, 2, 64, 384) == 2 * 378 * 7168 * 2
+    assert plan_rollout.all_to_all_bytes_per_layer(4096, 8, 7168, 2, 1) == 0  # one shard: all local
+
+
+def test_tokens_per_device():
+    # 8 rows over data 2 x expert 2 (act_batch), 30 tokens over sequence 4 rounded up: 2 x 8.
+    assert plan.tokens_per_device({"data": 2, "expert": 2, "sequence": 4}, 8, 30) == 16
+
+
+def test_all_to_all_plan_totals():
+    # tiny on expert:2, 32 tokens per device: 2 * 32 * 2 * 64 * 4 / 2 = 16,384 per layer; 2 MoE layers;
+    # forward + backward of 3 micro-batches: 6 x 32,768.
+    cfg = tiny.get_config()
+    a = plan_rollout.all_to_all_plan(cfg, {"expert": 2}, 32, micro_batches=3)
+    assert a["a2a_bytes_per_layer"] == 16_384
+    assert a["a2a_bytes_per_forward"] == 2 * 16_384
+    assert a["a2a_bytes_per_train_step"] == 6 * 2 * 16_384
+    assert plan_rollout.all_to_all_plan(cfg, {"data": 2}, 32) == {}  # no expert axis: no all-to-all
+
+
+# --- XLA check ---------------------------------------------------------------------------------------------
+
+# Arguments (state + batch), outputs (state + metrics) and the donated state are exact quantities; the
+# estimate leaves out only scalars: the step, optax's two counts and the rng key (20 bytes) in the
+# arguments, ~180 f32 metrics in the outputs (~0.1% of tiny's ~0.5 MB state per device). 1% bounds
+# that; a wrong sharding or dtype of any parameter or moment would be off by far more.
+EXACT_RTOL = 0.01
+
+
+def test_xla_check_tiny_on_a_mesh():
+    mesh = {"fsdp": 2, "tensor": 2}
+    cfg = tiny.get_config()
+    p = plan.plan(cfg, mesh, 8, 32)
+    xla = plan_xla.train_step_memory(cfg, mesh, 8, 32)
+    est = plan_xla.estimate(p, plan_xla.batch_bytes_per_device(plan_xla.with_rl(cfg), mesh, 8, 32))
+    assert min(xla.argument, xla.output, xla.alias, xla.temp) > 0 and xla.generated_code >= 0
+    # Batch by hand: 8 rows over fsdp 2 = 4 rows of 32: tokens, positions (int32), mask, behaviour
+    # log-probs (f32) 4 x 32 x 4 bytes each, advantages 4 x 4.
+    assert est.argument - est.output == 4 * 4 * 32 * 4 + 4 * 4
+    for name in ("argument", "output", "alias"):
+        assert abs(getattr(xla, name) / getattr(est, name) - 1) < EXACT_RTOL, name
+    # The activation model counts the named intermediates, a subset of what autodiff keeps, and XLA
+    # adds its scratch: the estimate's temp is below XLA's (model/plan_xla.py says what makes up the rest).
+    assert est.temp < xla.temp
+
+
+def test_xla_check_needs_the_devices():
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=16"):
+        plan_xla.mesh_devices({"data": 16})  # conftest gives 8 fake CPU devices
