@@ -30,11 +30,20 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from model import layers, sharding
-from model.moe_dispatch import combine_rows, gather_rows, grouped_swiglu, invert_rows, swiglu_experts
+from model import layers, moe_parallel, sharding
+from model.moe_dispatch import (
+    combine_rows,
+    gather_rows,
+    gathered_swiglu,
+    invert_rows,
+    ragged_dispatch,
+    sort_by_expert,
+    swiglu_experts,
+)
 
 EXPERT_ROWS = ("act_exp", "act_tokens", None)  # capacity buffer [E, B * C, D]
-RAGGED_BLOCK = 128  # rows per window of the CPU dropless path
+# Default of `model.moe.gather_max_tokens` until configs/base.py carries the field.
+GATHER_MAX_TOKENS = 0
 
 
 class ExpertBias(nnx.Variable):
@@ -136,48 +145,6 @@ def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * top_k / num_experts))
 
 
-def ragged_dispatch(
-    x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD, *, use_ragged_dot: bool | None = None
-) -> jax.Array:
-    """Dropless: sort assignments by expert, grouped matmuls, unsort, weight and sum over k.
-
-    On accelerators the grouped matmuls are `jax.lax.ragged_dot`. On CPU ragged_dot runs every expert
-    densely over every row (E / k times the work), so there each expert's rows go through its weights
-    in `RAGGED_BLOCK`-row windows, as many as its load needs (`grouped_swiglu`)."""
-    t, k = idx_Tk.shape
-    order_A, sizes_E, pos_A = sort_by_expert(idx_Tk, gate_EDF.shape[0])
-    start_E = jnp.cumsum(sizes_E) - sizes_E
-    inverse_A = start_E[idx_Tk.reshape(-1)] + pos_A  # where each assignment sits in the sorted order
-    if use_ragged_dot is None:
-        use_ragged_dot = jax.default_backend() != "cpu"
-    if not use_ragged_dot:
-        block = min(RAGGED_BLOCK, t * k)
-        # Rows sorted by expert, then `block` zero rows so that every window lies inside the buffer.
-        assign_R = jnp.concatenate([order_A, jnp.full((block,), t * k, order_A.dtype)])
-        x_RD = gather_rows(x_TD, assign_R, inverse_A, k)
-        y_RD = grouped_swiglu(x_RD, sizes_E, gate_EDF, up_EDF, down_EFD, block)
-        return combine_rows(y_RD, w_Tk, assign_R, inverse_A)
-    x_AD = jnp.take(x_TD, order_A // k, axis=0)
-    g_AF = jax.lax.ragged_dot(x_AD, gate_EDF, sizes_E)
-    u_AF = jax.lax.ragged_dot(x_AD, up_EDF, sizes_E)
-    y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, down_EFD, sizes_E)
-    y_TkD = jnp.take(y_AD, inverse_A, axis=0).reshape(t, k, -1)
-    return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
-
-
-def sort_by_expert(idx_Tk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Assignments sorted by expert (stable: token order within an expert): the sort order [A], the
-    group sizes [E], and each assignment's position among its expert's assignments [A]."""
-    a = idx_Tk.size
-    flat_e_A = idx_Tk.reshape(-1)
-    order_A = jnp.argsort(flat_e_A, stable=True)
-    sizes_E = jnp.bincount(flat_e_A, length=num_experts).astype(jnp.int32)
-    start_E = jnp.cumsum(sizes_E) - sizes_E
-    pos_sorted_A = jnp.arange(a, dtype=jnp.int32) - start_E[flat_e_A[order_A]]
-    pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(pos_sorted_A)
-    return order_A, sizes_E, pos_A
-
-
 def capacity_rows(idx_BTk: jax.Array, num_experts: int, cap: int):
     """Capacity buffer of B sequences in expert-major order: row (e * B + b) * C + c is slot c of expert
     e in sequence b, so each expert's rows are contiguous [B * C]. Assignments past slot C - 1 of their
@@ -213,7 +180,7 @@ class MoEBlock(nnx.Module):
     def __call__(
         self, x_BTD: jax.Array, *, expert_indices_BTk: jax.Array | None = None
     ) -> tuple[jax.Array, dict]:
-        e, cdt, rules = self.moe, self.compute_dtype, self.rules
+        e, cdt = self.moe, self.compute_dtype
         b, t, d = x_BTD.shape
         n = e.num_experts
         logits_BTE = layers.matmul_rows(x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
@@ -232,21 +199,7 @@ class MoEBlock(nnx.Module):
         w_Tk = w_Tk * e.routed_scaling
         gate, up, down = (p[...].astype(cdt) for p in (self.gate, self.up, self.down))
         x_BTD = x_BTD.astype(cdt)
-        if e.impl == "ragged":
-            y_TD = ragged_dispatch(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
-            y_BTD = y_TD.reshape(b, t, d)
-            dropped = jnp.zeros((), jnp.float32)
-        else:
-            cap = capacity(t, e.top_k, n, e.capacity_factor)
-            assign_R, row_A, kept_BA = capacity_rows(idx_Tk.reshape(b, t, -1), n, cap)
-            x_EMD = gather_rows(x_BTD.reshape(b * t, d), assign_R, row_A, e.top_k)
-            # Rows of one expert are [B * C] with the sequence major: they stay sharded over batch,
-            # experts over `expert` (an all-to-all under GSPMD).
-            x_EMD = sharding.constrain(x_EMD.reshape(n, b * cap, d), EXPERT_ROWS, rules)
-            y_EMD = swiglu_experts(x_EMD, gate, up, down)
-            y_EMD = sharding.constrain(y_EMD, EXPERT_ROWS, rules)
-            y_BTD = combine_rows(y_EMD.reshape(-1, d), w_Tk, assign_R, row_A).reshape(b, t, d)
-            dropped = jnp.sum(1.0 - kept_BA.astype(jnp.float32))
+        y_BTD, dropped = self._routed(x_BTD, idx_Tk, w_Tk, gate, up, down)
         if e.num_shared_experts:
             y_BTD = y_BTD + self.shared(x_BTD)
         lb, load_E = load_balance_loss(probs_TE, idx_Tk, e.router)
@@ -259,3 +212,43 @@ class MoEBlock(nnx.Module):
             "expert_indices": idx_Tk.reshape(b, t, -1),
         }
         return y_BTD.astype(cdt), aux
+
+    def _routed(self, x_BTD, idx_Tk, w_Tk, gate, up, down) -> tuple[jax.Array, jax.Array]:
+        """The routed experts' output [B, T, D] and the dropped assignment count, by one of: the
+        expert-parallel shard_map (experts sharded, `moe_parallel.layout`), the small-token gather
+        (B * T <= `gather_max_tokens`, experts not sharded), ragged, or capacity."""
+        e, rules = self.moe, self.rules
+        b, t, d = x_BTD.shape
+        n, k = e.num_experts, e.top_k
+        cap = capacity(t, k, n, e.capacity_factor) if e.impl == "capacity" else None
+        none_dropped = jnp.zeros((), jnp.float32)
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
+        layout = moe_parallel.layout(e, rules, sizes, (b, t), cap)
+        if layout is not None:
+            kept_BA = (
+                jnp.ones((b, t * k), bool)
+                if cap is None
+                else capacity_rows(idx_Tk.reshape(b, t, k), n, cap)[2]
+            )
+            kept_BTk = kept_BA.reshape(b, t, k)
+            split = lambda a: a.reshape(b, t, k)
+            y_BTD = moe_parallel.dispatch(x_BTD, split(idx_Tk), split(w_Tk), kept_BTk, gate, up, down, layout)
+            return y_BTD, jnp.sum(1.0 - kept_BA.astype(jnp.float32))
+        gather_max = getattr(e, "gather_max_tokens", GATHER_MAX_TOKENS)
+        small = b * t <= gather_max and (cap is None or cap >= t)  # cap >= t: nothing can drop
+        if small and not moe_parallel.experts_sharded(rules, sizes):
+            y_TD = gathered_swiglu(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
+            return y_TD.reshape(b, t, d), none_dropped
+        if cap is None:
+            y_TD = ragged_dispatch(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
+            return y_TD.reshape(b, t, d), none_dropped
+        assign_R, row_A, kept_BA = capacity_rows(idx_Tk.reshape(b, t, -1), n, cap)
+        x_EMD = gather_rows(x_BTD.reshape(b * t, d), assign_R, row_A, k)
+        # Rows of one expert are [B * C] with the sequence major: they stay sharded over batch,
+        # experts over `expert` (an all-to-all under GSPMD).
+        x_EMD = sharding.constrain(x_EMD.reshape(n, b * cap, d), EXPERT_ROWS, rules)
+        y_EMD = swiglu_experts(x_EMD, gate, up, down)
+        y_EMD = sharding.constrain(y_EMD, EXPERT_ROWS, rules)
+        y_BTD = combine_rows(y_EMD.reshape(-1, d), w_Tk, assign_R, row_A).reshape(b, t, d)
+        return y_BTD, jnp.sum(1.0 - kept_BA.astype(jnp.float32))

@@ -1,4 +1,5 @@
-"""Moving tokens to experts and back, and the CPU grouped-matmul kernel of the dropless path.
+"""Moving tokens to experts and back, the dropless (ragged) dispatch with its CPU grouped-matmul kernel,
+and the small-token path that gathers each token's experts' weights.
 
 Dimension key: T tokens, D model width, F expert width, E experts, k experts per token, A = T * k
 assignments, R buffer rows, W rows of one window.
@@ -14,10 +15,31 @@ import functools
 import jax
 import jax.numpy as jnp
 
+RAGGED_BLOCK = 128  # rows per window of the CPU dropless path
+
 
 def _pad_row(x: jax.Array) -> jax.Array:
     """Appends one zero row (entry): the source of empty buffer rows, the target of dropped ones."""
     return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
+
+
+def vary_like(a: jax.Array, *refs: jax.Array) -> jax.Array:
+    """`a` marked as varying over every mesh axis that one of `refs` varies over: inside a shard_map
+    (check_vma) a loop carry keeps one type, so its zero init must vary as its updates do. Elsewhere a
+    no-op."""
+    axes: set = set()
+    for r in refs:
+        axes |= varying_axes(r)
+    missing = tuple(sorted(axes - varying_axes(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+def varying_axes(a: jax.Array) -> set:
+    """The mesh axes a value varies over inside a shard_map (`aval.mat.varying` in jax 0.10, `aval.vma`
+    before); empty outside one."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)
+    return set(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
 def invert_rows(row_A: jax.Array, num_rows: int) -> jax.Array:
@@ -134,7 +156,7 @@ def _grouped_swiglu_fwd(x_RD, sizes_E, gate_EDF, up_EDF, down_EFD, block):
 
         return _expert_windows(e, sizes_E, block, body, carry)
 
-    zeros = lambda n: jnp.zeros((r, n), x_RD.dtype)
+    zeros = lambda n: vary_like(jnp.zeros((r, n), x_RD.dtype), x_RD, sizes_E, gate_EDF, up_EDF, down_EFD)
     init = (zeros(x_RD.shape[1]), zeros(f), zeros(f))
     y_RD, g_RF, u_RF = jax.lax.fori_loop(0, gate_EDF.shape[0], expert, init)
     return y_RD, (x_RD, sizes_E, gate_EDF, up_EDF, down_EFD, g_RF, u_RF)
@@ -142,6 +164,7 @@ def _grouped_swiglu_fwd(x_RD, sizes_E, gate_EDF, up_EDF, down_EFD, block):
 
 def _grouped_swiglu_bwd(block, res, dy_RD):
     x_RD, sizes_E, gate_EDF, up_EDF, down_EFD, g_RF, u_RF = res
+    operands = (dy_RD,) + res
 
     def expert(e, carry):
         dx_RD, dgate_EDF, dup_EDF, ddown_EFD = carry
@@ -161,7 +184,7 @@ def _grouped_swiglu_bwd(block, res, dy_RD):
                 ddown_FD + _matmul_f32(h_WF.T, dy_WD),
             )
 
-        zeros_f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
+        zeros_f32 = lambda a: vary_like(jnp.zeros(a.shape, jnp.float32), *operands)
         init = (dx_RD, zeros_f32(gate_DF), zeros_f32(up_DF), zeros_f32(down_FD))
         dx_RD, dgate_DF, dup_DF, ddown_FD = _expert_windows(e, sizes_E, block, body, init)
         return (
@@ -171,9 +194,70 @@ def _grouped_swiglu_bwd(block, res, dy_RD):
             ddown_EFD.at[e].set(ddown_FD.astype(ddown_EFD.dtype)),
         )
 
-    init = tuple(jnp.zeros_like(a) for a in (x_RD, gate_EDF, up_EDF, down_EFD))
+    init = tuple(vary_like(jnp.zeros_like(a), *operands) for a in (x_RD, gate_EDF, up_EDF, down_EFD))
     dx_RD, dgate_EDF, dup_EDF, ddown_EFD = jax.lax.fori_loop(0, gate_EDF.shape[0], expert, init)
     return dx_RD, None, dgate_EDF, dup_EDF, ddown_EFD
 
 
 grouped_swiglu.defvjp(_grouped_swiglu_fwd, _grouped_swiglu_bwd)
+
+
+def sort_by_expert(idx_Tk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Assignments sorted by expert (stable: token order within an expert): the sort order [A], the
+    group sizes [E], and each assignment's position among its expert's assignments [A]."""
+    a = idx_Tk.size
+    flat_e_A = idx_Tk.reshape(-1)
+    order_A = jnp.argsort(flat_e_A, stable=True)
+    sizes_E = jnp.bincount(flat_e_A, length=num_experts).astype(jnp.int32)
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    pos_sorted_A = jnp.arange(a, dtype=jnp.int32) - start_E[flat_e_A[order_A]]
+    pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(pos_sorted_A)
+    return order_A, sizes_E, pos_A
+
+
+def ragged_dispatch(
+    x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD, *, use_ragged_dot: bool | None = None
+) -> jax.Array:
+    """Dropless: sort assignments by expert, grouped matmuls, unsort, weight and sum over k.
+
+    An index of E (one past the last expert) is an empty assignment: it is sorted after every expert's
+    rows and contributes zero (the expert-parallel receiver marks its empty buffer rows so).
+
+    On accelerators the grouped matmuls are `jax.lax.ragged_dot`. On CPU ragged_dot runs every expert
+    densely over every row (E / k times the work), so there each expert's rows go through its weights
+    in `RAGGED_BLOCK`-row windows, as many as its load needs (`grouped_swiglu`)."""
+    t, k = idx_Tk.shape
+    n = gate_EDF.shape[0]
+    order_A, sizes_G, pos_A = sort_by_expert(idx_Tk, n + 1)  # group n: the empty assignments, last
+    sizes_E = sizes_G[:n]
+    start_G = jnp.cumsum(sizes_G) - sizes_G
+    inverse_A = start_G[idx_Tk.reshape(-1)] + pos_A  # where each assignment sits in the sorted order
+    if use_ragged_dot is None:
+        use_ragged_dot = jax.default_backend() != "cpu"
+    if not use_ragged_dot:
+        block = min(RAGGED_BLOCK, t * k)
+        # Rows sorted by expert, then `block` zero rows so that every window lies inside the buffer.
+        assign_R = jnp.concatenate([order_A, jnp.full((block,), t * k, order_A.dtype)])
+        x_RD = gather_rows(x_TD, assign_R, inverse_A, k)
+        y_RD = grouped_swiglu(x_RD, sizes_E, gate_EDF, up_EDF, down_EFD, block)
+        return combine_rows(y_RD, w_Tk, assign_R, inverse_A)
+    x_AD = jnp.take(x_TD, order_A // k, axis=0)
+    g_AF = jax.lax.ragged_dot(x_AD, gate_EDF, sizes_E)
+    u_AF = jax.lax.ragged_dot(x_AD, up_EDF, sizes_E)
+    y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, down_EFD, sizes_E)
+    # Rows past the groups (empty assignments) are not defined by every backend's ragged_dot.
+    y_AD = jnp.where((jnp.arange(t * k) < jnp.sum(sizes_E))[:, None], y_AD, 0)
+    y_TkD = jnp.take(y_AD, inverse_A, axis=0).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
+
+
+def gathered_swiglu(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.Array:
+    """Small-token path: each token through its own top-k experts by gathering their weights
+    ([T, k, D, F]) and batched matmuls; no sort, no groups. Reads T * k expert weights, so it pays only
+    where that is fewer bytes than the dispatch's work (decode-size batches)."""
+    g_TkDF, u_TkDF = jnp.take(gate_EDF, idx_Tk, axis=0), jnp.take(up_EDF, idx_Tk, axis=0)
+    d_TkFD = jnp.take(down_EFD, idx_Tk, axis=0)
+    g_TkF = jnp.einsum("td,tkdf->tkf", x_TD, g_TkDF)
+    u_TkF = jnp.einsum("td,tkdf->tkf", x_TD, u_TkDF)
+    y_TkD = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(g_TkF) * u_TkF, d_TkFD)
+    return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
