@@ -64,7 +64,7 @@ def initialize() -> tuple[int, int]:
         missing = sorted(set(ENV_VARS) - set(given))
         raise ValueError(f"multi-host run: {given} are set but {missing} are not; set all three or none")
     if not given and not _cluster_detected():
-        return 0, 1
+        return process()  # one process, or a TPU runtime that joins its hosts by itself
     if _on_cpu():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if given:

@@ -245,16 +245,19 @@ def with_overrides(
     return cfg
 
 
-def restore_state(cfg: Any, workdir: str, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+def restore_state(
+    cfg: Any, workdir: str, step: int | None = None, *, mesh: Any = None
+) -> tuple[Any, dict[str, Any]]:
     """(train state, meta) of the run in `workdir`: its checkpoint at `step` (default: the latest), restored
     for `cfg`, the run's config (the model config rl.train checkpoints with: a checkpoint of another model
-    is refused, by field). `rl.export` writes the state as a Hugging Face checkpoint."""
+    is refused, by field), on `mesh` (the trainer's, `rl.distributed.trainer_mesh`) or one device.
+    `rl.export` writes the state as a Hugging Face checkpoint."""
     from rl import checkpoint, train_step
     from rl import train as train_lib
 
-    _, state = train_step.init_state(cfg, seed=cfg.rl.seed)
+    _, state = train_step.init_state(cfg, mesh=mesh, seed=cfg.rl.seed)
     ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model, mesh=mesh)
     try:
         meta = ckpt.read_meta(step)
         if meta is None:
@@ -281,7 +284,7 @@ def run(
     """Evaluates the checkpoint of `workdir` (latest, or `step`) on the run's held-out tasks; writes and
     returns {"step", "results"}. Unset arguments come from the run's config (`cfg`, else
     `<workdir>/config.json`)."""
-    from rl import data
+    from rl import data, distributed
 
     cfg = cfg if cfg is not None else load_run_config(workdir)
     cfg = with_overrides(
@@ -289,6 +292,8 @@ def run(
     )
     rl = cfg.rl
     env_kwargs = data.env_kwargs(cfg)  # checked before any worker starts
+    distributed.initialize()
+    mesh = distributed.trainer_mesh(cfg)
     # The pool forks its workers before JAX creates any array (envs/pool.py).
     with EnvPool(rl.env_workers, domains=env_kwargs, timeout_s=rl.env_timeout_s) as pool:
         from inference import Engine
@@ -297,9 +302,10 @@ def run(
 
         tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
         tasks = data.heldout_tasks(cfg, tokenizer)
-        state, meta = restore_state(cfg, workdir, step)
+        state, meta = restore_state(cfg, workdir, step, mesh=mesh)
         # With the selection biases: the engine refuses a sigmoid-router model's params without them.
-        engine = Engine(cfg, train_step.weights(state), validate.engine_config(cfg))
+        weights = distributed.local_copy(train_step.weights(state), mesh)
+        engine = Engine(cfg, weights, validate.engine_config(cfg))
         sampling = rollout.sampling_params(rl, tokenizer, seed=seed)
         results = evaluate(
             engine,
@@ -313,8 +319,9 @@ def run(
         )
     report = {"step": meta.get("step"), "results": results}
     out = out or os.path.join(workdir, EVAL_FILE)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+    if distributed.is_primary():  # every process evaluates every task; process 0 writes
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
     return report
 
 

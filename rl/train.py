@@ -445,7 +445,7 @@ def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed
 
     def log(i: int, m: dict) -> None:
         logger.log(i, m, progress=False)
-        if (i + 1) % 100 == 0 or i + 1 == rl.sft.steps:
+        if distributed.is_primary() and ((i + 1) % 100 == 0 or i + 1 == rl.sft.steps):
             ce = m.get("sft/cross_entropy", float("nan"))
             print(f"sft {i + 1}/{rl.sft.steps} | cross-entropy {ce:.4f}", file=sys.stderr, flush=True)
 
