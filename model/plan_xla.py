@@ -12,22 +12,37 @@ is ever allocated) and prints `memory_analysis()` per device beside the planner'
   peak       arguments + outputs - aliased + temp       (the planner's total_bytes_per_device + batch)
 
 Arguments, outputs and aliases are exact quantities: the estimate leaves out only scalars (the step,
-optax's two counts, the rng key, ~200 f32 metrics), under 0.2% of the tiny config's state.
+optax's two counts and the rng key, 20 bytes; ~180 f32 metrics), 0.1% of the tiny config's state.
 
-Temp is where the two differ. Measured on XLA:CPU (f32, remat none, per device):
-- JAX's autodiff keeps more per layer than the activation model counts: the model counts the named
-  intermediates (projections, normed inputs, SwiGLU products); the scan also stacks RMSNorm's and
-  qk_norm's scaled inputs, RoPE's rotated halves, silu's sigmoid, the chunked attention kernel's
-  per-block queries and statistics. Tiny dense on one device: 1,812 values per token per layer in the
-  stacked residuals against the model's 896.
-- The dropless MoE on CPU computes over T * k + 128 rows (a zero window after the sorted rows) and its
-  custom VJP keeps f32 copies of the expert weights (small: 0.30 GB, the routed experts' size).
-- The ragged MoE path sorts all tokens of the step at once (`jnp.argsort` over the flattened batch), which
-  GSPMD does not split over data/fsdp: on a mesh every device computes the MoE layers over the global
-  batch. The capacity impl keeps its rows sharded. The estimate assumes the rows are split.
-- XLA's own scratch: the f32 gradient accumulator of the micro-batch scan, optimizer temporaries,
-  layout copies.
-So `temp` is a lower bound from the estimate; use the ratio printed here for a config that has not run.
+Temp is where the two differ. XLA:CPU, f32, remat none, GRPO step, bytes per device (commit of this
+docstring; `python -m model.plan --config=configs/X.py --mesh=M --xla`):
+
+  config          mesh            XLA temp      estimate     ratio
+  tiny            one device       9,084,304    4,599,296     1.98
+  tiny            data 2, fsdp 4   2,881,504      691,200     4.17
+  tiny:capacity   data 2, fsdp 4   1,920,640      691,200     2.78
+  tiny:dense      data 2, fsdp 4     890,680      402,944     2.21
+  small           one device       2.50e9        1.91e9       1.31
+  small           data 2, fsdp 4   6.28e8        2.86e8       2.19
+  small:capacity  data 2, fsdp 4   7.40e8        2.86e8       2.59
+
+What the estimate leaves out, read off XLA's buffer assignment at the peak (XLA_FLAGS=--xla_dump_to=DIR:
+`*memory-usage-report.txt`, `*live-range.txt` list the buffers live there):
+- More per layer than the activation model's named intermediates: autodiff also keeps RMSNorm's and
+  qk_norm's inputs and scales, RoPE's rotated halves, silu's sigmoid, the chunked attention kernel's
+  per-block queries and statistics. tiny:dense on one device stacks 1,812 values per token per layer
+  against the model's 896 (2.0x); XLA's temp grows by 667,392 bytes per row, the model's by 294,912.
+- The dropless (ragged) MoE sorts all of the step's tokens at once (`jnp.argsort` over the flattened
+  batch), which GSPMD does not split over data/fsdp: on such a mesh every device runs the MoE layers
+  over the global batch (tiny on data 8: [640, 96] expert buffers, 256 tokens x top-2 + a 128-row
+  window, on a device that holds 32 tokens; small on data 2 x fsdp 4: [8320, 384] on a device of 512
+  tokens). The estimate assumes each device's own rows, which the capacity impl keeps ([16, 80, 384]).
+- Weights held for the backward pass: under FSDP the all-gathered weights of every layer stay live
+  until their backward (small on data 2 x fsdp 4, either impl: all routed experts in f32, 0.30e9
+  bytes, where the device owns a quarter), and on one device the dropless CPU kernel's custom VJP keeps
+  copies of the expert weights (small: 0.30e9 bytes).
+- The f32 gradient accumulator is counted; optimizer temporaries and layout copies are not.
+So on XLA:CPU the estimate's temp is a lower bound, by the ratios above for these configs.
 """
 
 from __future__ import annotations
