@@ -1,5 +1,7 @@
 """MoE block: dispatch equivalence, drop counting, router losses and gradients, routing replay."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import tiny
-from model import moe
+from model import moe, moe_dispatch
 
 # f32 everywhere; ragged and capacity sum the same products in a different order.
 ATOL = RTOL = 1e-5
@@ -202,3 +204,78 @@ def test_group_limited_routing_picks_top_k_inside_the_best_groups():
     order = np.argsort(np.asarray(idx)[0])
     assert np.asarray(idx)[0][order].tolist() == [0, 6]
     np.testing.assert_allclose(np.asarray(w)[0][order], [0.75, 0.25], rtol=1e-6)
+
+
+def _dense_reference(x_TD, idx_Tk, w_Tk, gate, up, down):
+    """Every expert over every token, masked to the chosen ones (an index of E chooses none): the MoE
+    output written the plain way, independent of the sort, the groups and the gathers."""
+    e = gate.shape[0]
+    y_ETD = jnp.stack([(jax.nn.silu(x_TD @ gate[i]) * (x_TD @ up[i])) @ down[i] for i in range(e)])
+    weight_TE = jnp.sum(jax.nn.one_hot(idx_Tk, e, dtype=x_TD.dtype) * w_Tk[..., None], axis=1)
+    return jnp.einsum("etd,te->td", y_ETD, weight_TE)
+
+
+def _dispatch_case(t, k, e, seed=3):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    d, f = 16, 24
+    x = jax.random.normal(keys[0], (t, d))
+    idx = jnp.argsort(jax.random.uniform(keys[1], (t, e)), axis=-1)[:, :k].astype(jnp.int32)
+    w = jax.random.uniform(keys[2], (t, k))
+    gate, up = (jax.random.normal(kk, (e, d, f)) * d**-0.5 for kk in jax.random.split(keys[3]))
+    down = jax.random.normal(keys[4], (e, f, d)) * f**-0.5
+    return x, idx, w, gate, up, down
+
+
+def _out_and_grads(fn, x, idx, w, gate, up, down):
+    def f_(x, w, gate, up, down):
+        y = fn(x, idx, w, gate, up, down)
+        return jnp.sum(jnp.sin(y)), y
+
+    return jax.value_and_grad(f_, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, w, gate, up, down)
+
+
+@pytest.mark.parametrize("use_ragged_dot", [False, True])
+def test_empty_assignments_contribute_nothing(use_ragged_dot):
+    """An expert index of E is an empty assignment (the expert-parallel receiver's empty slots): its
+    output and gradients are those of the assignment left out, on both dispatch kernels."""
+    x, idx, w, gate, up, down = _dispatch_case(12, 2, 4)
+    idx = idx.at[::3, 1].set(4).at[5, :].set(4)  # every third token's second choice, all of token 5's
+    dispatch = lambda *a: moe.ragged_dispatch(*a, use_ragged_dot=use_ragged_dot)
+    (_, y), g = _out_and_grads(dispatch, x, idx, w, gate, up, down)
+    (_, y_ref), g_ref = _out_and_grads(_dense_reference, x, idx, w, gate, up, down)
+    np.testing.assert_allclose(y, y_ref, atol=ATOL, rtol=RTOL)
+    np.testing.assert_array_equal(y[5], 0.0)
+    chex.assert_trees_all_close(g, g_ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (16, 2, 8), (5, 3, 4)])
+def test_gathered_path_equals_dispatch_and_reference(t, k, e):
+    """The small-token path (each token gathers its experts' weights) gives the dispatch's and the plain
+    reference's output and gradients (it is differentiable, so it may run in training too)."""
+    case = _dispatch_case(t, k, e)
+    (_, y), g = _out_and_grads(moe_dispatch.gathered_swiglu, *case)
+    (_, y_ref), g_ref = _out_and_grads(_dense_reference, *case)
+    (_, y_disp), g_disp = _out_and_grads(moe.ragged_dispatch, *case)
+    np.testing.assert_allclose(y, y_ref, atol=ATOL, rtol=RTOL)
+    chex.assert_trees_all_close(g, g_ref, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(y, y_disp, atol=ATOL, rtol=RTOL)
+    chex.assert_trees_all_close(g, g_disp, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("impl,factor", [("ragged", 1.25), ("capacity", 2.0), ("capacity", 1.0)])
+def test_block_takes_the_small_token_path_below_the_threshold(impl, factor):
+    """B * T <= moe.gather_max_tokens runs the gather (no sort in the program) with the dispatch's output
+    and gradients; capacity takes it only where nothing can drop (C = ceil(factor * T * k / E) >= T:
+    factor 2.0 gives C = 8 = T, factor 1.0 gives C = 4 < T, which keeps the capacity dispatch)."""
+    x = _x(b=2, t=8)
+    small, _ = _block(impl, capacity_factor=factor, gather_max_tokens=16)
+    dispatch, _ = _block(impl, capacity_factor=factor, gather_max_tokens=0)
+    sorts = lambda blk: re.search(r"\bsort\[", str(jax.make_jaxpr(lambda x: blk(x)[0])(x))) is not None
+    takes_gather = impl == "ragged" or factor == 2.0
+    assert sorts(small) != takes_gather
+    assert sorts(dispatch)
+    y_s, aux_s, g_s = _loss_and_grads(small, x)
+    y_d, aux_d, g_d = _loss_and_grads(dispatch, x)
+    np.testing.assert_allclose(y_s, y_d, atol=ATOL, rtol=RTOL)
+    chex.assert_trees_all_close(g_s, g_d, atol=ATOL, rtol=RTOL)
+    assert float(aux_s["dropped_tokens"]) == float(aux_d["dropped_tokens"])
