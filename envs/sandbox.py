@@ -286,8 +286,8 @@ def _spec(
     cgroup: str | None,
 ) -> dict:
     """What the child does (`envs.sandbox_child`): `prep`, what the run's namespaces and mounts are made
-    from, the same for every run with these tmpfs sizes and network flag; `run`, what is this run's own;
-    `ahead`: the zygote may make the child from `prep` before the run comes (own backend, no cgroup)."""
+    from, the same for every run with these tmpfs sizes and network flag (with `ahead`: the zygote may make
+    the child from it before the run comes: own backend, no cgroup); `run`, what is this run's own."""
     prep = {
         "level": isolated.level,
         "backend": isolated.backend,
@@ -296,16 +296,24 @@ def _spec(
         "cgroup": cgroup,
         "watch": isolated.resources == "watchdog",
         "tmp_bytes": limits.tmp_bytes,
+        "ahead": isolated.backend == "unshare" and cgroup is None,
     }
-    run = {"argv": argv, "env": env, "cwd": cwd, "limits": dataclasses.asdict(limits), "workdir": workdir}
+    run = {"argv": argv, "env": env, "cwd": cwd, "limits": _limits_dict(limits), "workdir": workdir}
     if isolated.level == "mount":
-        base = _base_ops(limits.tmp_bytes, network, str(_private_root()))
+        private = str(_private_root())
+        base = _base_ops(limits.tmp_bytes, network, private)
         if isolated.backend == "bwrap":
             ops = [*base, ["rw", workdir]]
             run["argv"] = sandbox_plan.bwrap_argv(ops, argv, cwd, network, limits.max_procs)
         else:
-            prep["mounts"], prep["root"] = base, str(_private_root() / ".root")
-    return {"prep": prep, "run": run, "ahead": isolated.backend == "unshare" and cgroup is None}
+            prep["mounts"], prep["root"] = base, os.path.join(private, ".root")
+            prep["workdirs"] = os.path.dirname(workdir)  # staged ahead; the run shows its own one only
+    return {"prep": prep, "run": run}
+
+
+@functools.lru_cache(maxsize=64)
+def _limits_dict(limits: Limits) -> dict:
+    return dataclasses.asdict(limits)
 
 
 @functools.lru_cache(maxsize=16)
@@ -363,8 +371,9 @@ def start_zygote(limits: Limits = Limits(), network: bool = False) -> bool:
     if not sandbox_run.start_zygote():
         return False
     cgroup = "made per run" if isolated.resources == "cgroup2" else None
-    spec = _spec(["true"], dict(BASE_ENV), "", "/", limits, isolated, network, cgroup)
-    if spec["ahead"]:
+    workdir = str(_private_root() / "sandbox-")  # where a Sandbox's work dir lies; only its parent counts
+    spec = _spec(["true"], dict(BASE_ENV), workdir, "/", limits, isolated, network, cgroup)
+    if spec["prep"]["ahead"]:
         sandbox_run.prepare(spec)
     return True
 

@@ -40,7 +40,6 @@ import os
 import re
 import resource
 import select
-import selectors
 import signal
 import socket
 import struct
@@ -57,6 +56,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _ST_TO_MS = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # + atime
 MNT_DETACH = 2
+STAGE = ".stage"  # where, until the run comes, the host's work dirs are seen (see `_stage`)
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 4, 15, 36
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -243,12 +243,35 @@ _OPS: dict[str, Callable] = {
 
 
 def _mount_plan(root: str, ops: list[list]) -> None:
-    """Mounts the plan under `root` (a fresh tmpfs); the host's root stays this namespace's `/` until
-    `_enter_root` (nothing of the run runs before that)."""
+    """Mounts the plan under `root` (a fresh tmpfs)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
     for op in ops:
         _OPS[op[0]](root, *op[1:])
+
+
+def _stage(root: str, workdirs: str) -> None:
+    """A read-only tmpfs at `workdirs` (where the host makes work dirs) holding, until `_show_workdir`, the
+    host's `workdirs` at `STAGE` in it: the one place of the host the root keeps while the run is made."""
+    holder = root + workdirs
+    _makedirs(holder)
+    _mount("tmpfs", holder, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+    _makedirs(holder + "/" + STAGE)
+    _mount(workdirs, holder + "/" + STAGE, None, MS_BIND)
+
+
+def _show_workdir(workdirs: str, workdir: str) -> None:
+    """The run's work dir (one in `workdirs`) from the stage into its place, then the stage covered by an
+    empty read-only tmpfs (nothing of the run has run yet: P is waiting for this run) and the holder made
+    read-only. Covered, not unmounted: an unmount waits for an RCU grace period, milliseconds on a busy
+    machine, and no path reaches a covered mount (I holds no descriptor or directory in it)."""
+    name = os.path.basename(workdir)
+    if os.path.dirname(workdir) != workdirs or name in ("", ".", "..", STAGE):
+        raise ValueError(f"work dir {workdir!r} is not a directory in {workdirs!r}")
+    os.mkdir(workdir, 0o755)
+    _mount(os.path.join(workdirs, STAGE, name), workdir, None, MS_BIND | MS_REC)
+    _hide("", os.path.join(workdirs, STAGE))
+    _mount(None, workdirs, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def _enter_root(root: str) -> None:
@@ -287,32 +310,31 @@ def _scrub_cmdline() -> None:
 # The processes of one run
 
 
-class Request:
-    """The `run` part of a spec, taken once: from the zygote's channel on `SPEC_FD` (a socket: the run's
-    JSON with its stdin, stdout, stderr and events fds, which go to 0-3), or `given` with the fds in place
-    (the cold path). A prepared child blocks here until its run comes; EOF means none will: it ends."""
-
-    def __init__(self, given: dict | None = None):
-        self.run, self.raw = given, None
-        self.zygote = given is None  # the zygote reaps what C leaves; a cold C's parent does not
-
-    def get(self) -> dict:
-        if self.run is None:
-            channel = socket.socket(fileno=SPEC_FD)
-            received = recv_message(channel)
-            channel.close()
-            if received is None:
-                os._exit(0)
-            self.raw, fds = received
-            place_fds(fds)
-            self.run = json.loads(self.raw)
-        return self.run
+def _take_run() -> tuple[bytes, list[int]]:
+    """The run's JSON and fds (stdin, stdout, stderr, the host's status pipe, events) from the zygote's
+    channel on `SPEC_FD`, which is closed then. EOF (the zygote dropped this prepared child): the end."""
+    channel = socket.socket(fileno=SPEC_FD)
+    received = recv_message(channel)
+    channel.close()
+    if received is None:
+        os._exit(0)
+    return received
 
 
-def _fail(request: Request, error: BaseException) -> None:
-    """Ends a child whose setup failed, saying why on the run's stderr (so after its run has come)."""
-    with contextlib.suppress(BaseException):
-        request.get()
+def _take_own_run() -> dict:
+    """C's run from the zygote (rlimits level, bwrap): stdio to 0-2, events to 3; the zygote reports."""
+    raw, fds = _take_run()
+    os.close(fds[3])
+    place_fds([fds[0], fds[1], fds[2], fds[4]])
+    return json.loads(raw)
+
+
+def _fail(error: BaseException, given: dict | None) -> None:
+    """Ends a child whose setup failed, saying why on the run's stderr (so once the run has come, if this
+    process still holds the zygote's channel)."""
+    if given is None:
+        with contextlib.suppress(BaseException):
+            _take_own_run()
     os.write(2, f"sandbox: setup failed: {error!r}\n".encode())
     os._exit(126)
 
@@ -323,16 +345,31 @@ def _become_command(run: dict, nproc: int | None) -> None:
     os.execvpe(run["argv"][0], run["argv"], run["env"])
 
 
-def _command(run: dict, uid: int, gid: int) -> None:
-    """P: a user namespace of its own in which it is `uid` (not 0): exec drops every capability."""
+def _command(channel: socket.socket, uid: int, gid: int) -> None:
+    """P: made ahead in a user namespace of its own in which it is `uid` (not 0), so that exec drops every
+    capability; then waits on `channel` for its run (the JSON and stdin, stdout, stderr) and execs it."""
+    os.closerange(0, channel.fileno())
+    os.closerange(channel.fileno() + 1, 65536)
+    failure = None
+    try:
+        _unshare(NEWUSER)
+        _map_ids(uid, 0, 0)
+        _write("/proc/sys/user/max_user_namespaces", "0")
+    except BaseException as e:  # noqa: BLE001 - said on the run's stderr once the run is here
+        failure = e
+    received = recv_message(channel)
+    if received is None:
+        os._exit(0)
+    place_fds(received[1])
     os.closerange(3, 65536)
-    _unshare(NEWUSER)
-    _map_ids(uid, 0, 0)
-    _write("/proc/sys/user/max_user_namespaces", "0")
+    if failure is not None:
+        raise failure
+    run = json.loads(received[0])
     _become_command(run, run["limits"]["max_procs"])
 
 
 def _prepare_init(prep: dict) -> None:
+    """I's namespaces and, at the mount level, its root: the plan, the stage (`_stage`), entered."""
     mount = prep["level"] == "mount"
     _unshare(NEWIPC | NEWUTS | (0 if prep["network"] else NEWNET) | (NEWNS if mount else 0))
     socket.sethostname("sandbox")
@@ -341,6 +378,10 @@ def _prepare_init(prep: dict) -> None:
     _limit_ipc(prep["tmp_bytes"])
     if mount:
         _mount_plan(prep["root"], prep["mounts"])
+        _stage(prep["root"], prep["workdirs"])
+        _enter_root(prep["root"])
+    else:
+        os.chdir("/")
     _scrub_cmdline()
 
 
@@ -355,43 +396,53 @@ def _empty_namespace() -> None:
             os.waitpid(-1, 0)
 
 
-def _init(prep: dict, channel: socket.socket, uid: int, gid: int) -> None:
-    """I: PID 1 of the run. Makes the namespaces and the mounts ahead; when its run comes from C, binds the
-    work dir, enters the root, forks the command and reaps until the command ends; then empties the
-    namespace and sends C the command's wait status (nothing of the run runs by then)."""
+def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: int) -> None:
+    """I: PID 1 of the run. Makes the namespaces, the root and P ahead. Its run: `given` (cold path, fds in
+    place) or from its channel (the host's or the zygote's), whose events fd and JSON it passes on to C.
+    Then shows the run's
+    work dir (`_show_workdir`), hands P its run and reaps until P's command ends; then empties the
+    namespace and reports the command's wait status: to the host's status pipe (from the zygote), then
+    to C."""
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     failure = None
     try:
         _prepare_init(prep)
+        to_p, channel = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = os.fork()
+        if command == 0:
+            to_p.close()
+            _never_return(_command, channel, uid, gid)
+        channel.close()
     except BaseException as e:  # noqa: BLE001 - said on the run's stderr once the run is here
         failure = e
-    received = recv_message(channel)
-    if received is None:  # C ended before its run came
-        os._exit(0)
-    raw, fds = received
-    place_fds(fds)
+    status_fd, stdio = None, [0, 1, 2]
     try:
+        if given is None:
+            raw, fds = _take_run()  # stdin, stdout, stderr, the host's status pipe, events
+            stdio, status_fd = fds[:3], fds[3]
+            send_message(to_c, raw, [fds[4]])
+            os.close(fds[4])
+        else:
+            os.close(EVENTS_FD)
+            raw = json.dumps(given).encode()
         if failure is not None:
             raise failure
-        run = json.loads(raw)
         if prep["level"] == "mount":
-            _bind_rw(prep["root"], run["workdir"])
-            _enter_root(prep["root"])
-        else:
-            os.chdir("/")
-        command = os.fork()
+            _show_workdir(prep["workdirs"], (given or json.loads(raw))["workdir"])
+        send_message(to_p, raw, stdio)
     except BaseException as e:  # noqa: BLE001 - nothing may return into the zygote's frames after a fork
-        os.write(2, f"sandbox: setup failed: {e!r}\n".encode())
+        os.write(stdio[2], f"sandbox: setup failed: {e!r}\n".encode())
         os._exit(126)
-    if command == 0:
-        _never_return(_command, run, uid, gid)
+    for fd in stdio:
+        os.close(fd)  # P's now: the run's pipes reach EOF on the host once its processes are gone
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == command:
             break
     _empty_namespace()
-    os.closerange(0, 3)  # the run's pipes reach EOF on the host once C is gone
-    channel.sendall(f"{status}\n".encode())
+    if status_fd is not None:
+        report(status_fd, status, close=True)  # the zygote's line for C comes later; the host takes the first
+    to_c.sendall(f"{status}\n".encode())
     os._exit(0)
 
 
@@ -415,31 +466,22 @@ def _memory_in(proc_dir: str, host_proc_dev: int) -> int:
     return total
 
 
-def _watch(
-    pid: int,
-    limit: int | None,
-    proc_dir: str | None,
-    report: socket.socket | None = None,
-    reaped: bool = True,
-) -> int:
+def _watch(pid: int, limit: int | None, proc_dir: str | None, report: socket.socket | None = None) -> int:
     """Waits for `pid` to end, or for its wait-status line on `report`; with a `limit`, kills `pid` when
-    the run's processes together map more memory than that. Returns the reported status, else `pid`'s;
-    `reaped`: `pid` is waited for even after it reported (else it ends as the zygote's orphan)."""
+    the run's processes together map more memory than that. Returns the reported status, else `pid`'s."""
     watching = limit is not None and proc_dir is not None
     pidfd = os.pidfd_open(pid)
     host_dev = os.stat("/proc").st_dev
-    line = b""
+    line, waits = b"", [pidfd] + ([report] if report is not None else [])
     try:
         while True:
-            ready = select.select(
-                [pidfd] + ([report] if report else []), [], [], WATCH_S if watching else None
-            )
-            if report is not None and report in ready[0]:
+            ready = select.select(waits, [], [], WATCH_S if watching else None)[0]
+            if report is not None and report in ready:
                 chunk = report.recv(64)
                 line += chunk
                 if not chunk or line.endswith(b"\n"):
                     break
-            elif pidfd in ready[0]:
+            elif pidfd in ready:
                 break
             elif watching and (used := _memory_in(proc_dir, host_dev)) > limit:
                 os.kill(pid, signal.SIGKILL)
@@ -447,8 +489,7 @@ def _watch(
                 break
     finally:
         os.close(pidfd)
-    status = os.waitpid(pid, 0)[1] if reaped or not line.endswith(b"\n") else None
-    return int(line) if line.endswith(b"\n") else status
+    return int(line) if line.endswith(b"\n") else os.waitpid(pid, 0)[1]
 
 
 def _watch_limit(prep: dict, run: dict) -> int | None:
@@ -460,8 +501,9 @@ def _proc_inside(pid: int) -> str:
     return os.path.join("/proc", str(pid), "root", "proc")
 
 
-def _run_namespaced(prep: dict, request: Request) -> int:
-    """C, own backend: the run's first user namespace (in which I is root) and its PID namespace."""
+def _run_namespaced(prep: dict, given: dict | None) -> int:
+    """C, own backend: the run's first user namespace (in which I is root) and its PID namespace. From the
+    zygote, C has no part in the run's start: I takes the run and passes C what the watchdog needs."""
     uid, gid = os.getuid(), os.getgid()
     _unshare(NEWUSER | NEWPID)
     _map_ids(0, uid, gid)
@@ -469,12 +511,22 @@ def _run_namespaced(prep: dict, request: Request) -> int:
     init = os.fork()
     if init == 0:
         ours.close()
-        os.closerange(0, SPEC_FD + 1)  # stdio and events come with the run; the zygote's channel is C's
-        _never_return(_init, prep, theirs, uid, gid)
+        _never_return(_init, prep, given, theirs, uid, gid)
     theirs.close()
-    run = request.get()
-    send_message(ours, request.raw or json.dumps(run).encode(), [0, 1, 2])
-    return _watch(init, _watch_limit(prep, run), _proc_inside(init), ours, reaped=not request.zygote)
+    run = given
+    if given is None:
+        os.dup2(0, SPEC_FD)  # the channel is I's now (C's /dev/null in its place, for `_fail`)
+        received = recv_message(ours)
+        if received is None:  # I ended before its run started
+            return os.waitpid(init, 0)[1]
+        os.dup2(received[1][0], EVENTS_FD)
+        os.close(received[1][0])
+        run = json.loads(received[0])
+    status = _watch(init, _watch_limit(prep, run), _proc_inside(init), ours)
+    if given is not None:  # a cold C's parent reaps no orphan: I is waited for here
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(init, 0)
+    return status
 
 
 def _run_bwrap(prep: dict, run: dict) -> int:
@@ -501,9 +553,10 @@ def _run_bwrap(prep: dict, run: dict) -> int:
     return status
 
 
-def run_child(prep: dict, request: Request) -> None:
-    """C: made from `prep`, then becomes the run `request` brings (fds 0-2 its stdio, fd 3 its events).
-    Never returns."""
+def run_child(prep: dict, given: dict | None = None) -> None:
+    """C: made from `prep`; its run is `given` (the cold path: fds 0-2 its stdio, 3 its events) or comes
+    from the zygote's channel on `SPEC_FD` (to C, or to I at the own backend's namespaced levels). Never
+    returns."""
     try:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE and SIGXFSZ; the command must not
@@ -517,18 +570,18 @@ def run_child(prep: dict, request: Request) -> None:
             _drop_privileges(prep["uid"])
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
         if prep["level"] == "rlimits":
-            run = request.get()
+            run = given or _take_own_run()
             os.close(EVENTS_FD)
             _never_return(_become_command, run, run["limits"]["max_procs"] + _user_tasks(os.getuid()))
         if prep["backend"] == "bwrap":
-            _end_like(_run_bwrap(prep, request.get()))
-        _end_like(_run_namespaced(prep, request))
+            _end_like(_run_bwrap(prep, given or _take_own_run()))
+        _end_like(_run_namespaced(prep, given))
     except BaseException as e:  # noqa: BLE001 - anything here must end the child, never return to a caller
-        _fail(request, e)
+        _fail(e, given)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Zygote: a stdlib-only process that forks the processes of runs, one child ahead of its request.
+# Messages between the host, the zygote and the processes of a run
 
 
 def _recv_exact(sock: socket.socket, n: int, head: bytes = b"") -> bytes:
@@ -564,149 +617,31 @@ def send_message(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
 
 
 def place_fds(fds: list[int]) -> None:
-    """Moves `fds` to 0, 1, 2, ... (through high numbers first, so that no move clobbers another)."""
+    """Moves `fds` to 0, 1, 2, ... (through high numbers first, so that no move clobbers another); the
+    originals are closed (a copy left behind would hold a pipe open)."""
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in fds]
+    for fd in set(fds) - set(range(len(fds))):
+        os.close(fd)
     for target, fd in enumerate(high):
         os.dup2(fd, target)
         os.close(fd)
 
 
-class _Child:
-    """A forked C (see the module docstring) waiting on its channel for its run."""
-
-    def __init__(self, prep: dict, devnull: int):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.pid = os.fork()
-        if self.pid == 0:
-            signal.set_wakeup_fd(-1)
-            place_fds([devnull, devnull, devnull, devnull, theirs.fileno()])  # SPEC_FD: the channel
-            run_child(prep, Request())
-        theirs.close()
-        self.channel = ours
-
-    def send(self, run: bytes, fds: list[int]) -> None:
-        try:
-            send_message(self.channel, run, fds)
-        finally:
-            self.channel.close()
-
-    def drop(self) -> None:
-        """Ends a prepared child that will get no run (closing its channel would too, after its setup)."""
-        self.channel.close()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(self.pid, signal.SIGKILL)
-
-
-def _report(fd: int, number: int, close: bool = False) -> None:
-    """One line to the host's status pipe; a host that stopped listening must not take the zygote down."""
+def report(fd: int, number: int, close: bool = False) -> None:
+    """One line to the host's status pipe; a host that stopped listening must not take the sender down."""
     with contextlib.suppress(OSError):
         os.write(fd, f"{number}\n".encode())
     if close:
         os.close(fd)
 
 
-def _reap(children: dict[int, int]) -> None:
-    """Reports ended runs; also reaps runs' PID 1s, which end just after their C (the zygote is their
-    subreaper), and dropped prepared children."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        fd = children.pop(pid, None)
-        if fd is not None:
-            _report(fd, status, close=True)
-
-
-class _Zygote:
-    def __init__(self):
-        self.devnull = os.open(os.devnull, os.O_RDWR)
-        self.children: dict[int, int] = {}  # the pid of a run's C -> the host's status fd for it
-        self.ahead: tuple[str, _Child] | None = None  # (the prep it was made from, the child)
-
-    def request(self, spec: dict, fds: list[int]) -> None:
-        """fds: stdin, stdout, stderr, the host's status pipe (kept here), events. A spec without `run`
-        only asks for a child made ahead."""
-        prep, run = spec["prep"], spec.get("run")
-        key, child = json.dumps(prep, sort_keys=True), None
-        if self.ahead is not None and self.ahead[0] == key:
-            if run is None:
-                return
-            child, self.ahead = self.ahead[1], None
-        if run is not None:
-            self._start(prep, json.dumps(run).encode(), fds, child)
-        if spec["ahead"]:
-            if self.ahead is not None:  # made for another prep
-                self.ahead[1].drop()
-            try:
-                self.ahead = (key, _Child(prep, self.devnull))
-            except OSError:
-                self.ahead = None
-
-    def _start(self, prep: dict, run: bytes, fds: list[int], child: _Child | None) -> None:
-        """Sends the run to `child` (made ahead) or, when there is none or it has died, to a fresh one."""
-        started = None
-        for candidate in [child, None] if child else [None]:
-            try:
-                candidate = candidate or _Child(prep, self.devnull)
-                candidate.send(run, [fds[0], fds[1], fds[2], fds[4]])
-                started = candidate
-                break
-            except OSError:
-                if candidate is not None:
-                    candidate.drop()
-        for f in (fds[0], fds[1], fds[2], fds[4]):
-            os.close(f)
-        if started is None:
-            os.close(fds[3])  # the host reads EOF instead of a pid: no child
-            return
-        _report(fds[3], started.pid)
-        self.children[started.pid] = fds[3]
-
-    def close(self) -> None:
-        if self.ahead is not None:
-            self.ahead[1].drop()
-        for pid in self.children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-
-
-def zygote_main(fd: int) -> None:
-    sock = socket.socket(fileno=fd)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    zygote = _Zygote()
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    while True:
-        for key, _ in sel.select():
-            if key.fileobj is sock:
-                message = recv_message(sock)
-                if message is None:
-                    zygote.close()
-                    return
-                zygote.request(json.loads(message[0]), message[1])
-            else:
-                os.read(wake_r, 4096)
-            _reap(zygote.children)
-
-
 def main(args: list[str]) -> None:
-    if args[:1] == ["--zygote"]:
-        zygote_main(int(args[1]))
-    elif args[:1] == ["--exec"]:
+    if args[:1] == ["--exec"]:
         with open(SPEC_FD, "rb") as f:
-            spec = json.loads(f.read())
-        run_child(spec["prep"], Request(spec["run"]))
+            prep, _, run = f.read().partition(b"\n")  # sandbox_run.encode's
+        run_child(json.loads(prep), json.loads(run))
     else:
-        sys.exit("usage: sandbox_child.py --zygote FD | --exec (started by envs.sandbox)")
+        sys.exit("usage: sandbox_child.py --exec (started by envs.sandbox; the zygote is sandbox_zygote.py)")
 
 
 if __name__ == "__main__":

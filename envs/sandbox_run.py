@@ -3,13 +3,13 @@
 `execute(spec, stdin, wall_s=..., output_bytes=..., use_zygote=...)` -> `Finished`. The spec is built by
 `envs.sandbox`; the child side is `envs/sandbox_child.py`.
 
-Launch: a zygote (`sandbox_child.py --zygote`, stdlib only, started once per process with an empty
-environment) forks the children of runs, and where the spec allows (`spec["ahead"]`) keeps the next child
-made ahead: its namespaces and mounts exist before the request, which then only brings what is the run's own
-(`sandbox_child`'s docstring). The child's stdio, its status pipe and its events pipe come over a Unix socket
-(SCM_RIGHTS) and its wait status comes back on the status pipe. `prepare(spec)` asks for a child made ahead
-without a run. Without a zygote (`use_zygote=False`), each run starts the same child code in a fresh
-interpreter (`sandbox_child.py --exec`): the cold path, with identical results.
+Launch: a zygote (`sandbox_zygote.py`, stdlib only, started once per process with an empty
+environment) forks the children of runs and, where the spec allows (`spec["prep"]["ahead"]`), keeps the
+next child made ahead: its namespaces and mounts exist before the request, which then only brings what is
+the run's own (`sandbox_child`'s docstring). The child's stdio, its status pipe and its events pipe come
+over a Unix socket (SCM_RIGHTS) and its wait status comes back on the status pipe. `prepare(spec)` asks for
+a child made ahead without a run. Without a zygote (`use_zygote=False`), each run starts the same child
+code in a fresh interpreter (`sandbox_child.py --exec`): the cold path, with identical results.
 
 Collect: stdout and stderr read concurrently, each kept up to `output_bytes` (the rest read and dropped,
 `truncated`); at `wall_s` the run's process group gets SIGTERM, then SIGKILL `_TERM_GRACE_S` later.
@@ -17,6 +17,7 @@ Collect: stdout and stderr read concurrently, each kept up to `output_bytes` (th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -27,13 +28,15 @@ import select
 import selectors
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 
+from envs.sandbox_child import recv_message, send_message
+
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+ZYGOTE = os.path.join(os.path.dirname(CHILD), "sandbox_zygote.py")
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # the zygote needs nothing of the host's
 _TERM_GRACE_S = 0.2  # after SIGTERM at the wall limit, SIGKILL follows this much later
 _DRAIN_S = 1.0  # after the command exits, how long to keep reading pipes a straggler still holds
@@ -57,9 +60,13 @@ def _kill_group(pgid: int, sig: int) -> None:
 
 
 class _Zygote:
+    """The host's side of the zygote (`sandbox_zygote.py`): a socket for requests, and the children made
+    ahead that the zygote has handed over (their pid and channel, by the prep they were made from), to
+    which a run goes straight from here."""
+
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [sys.executable, "-I", "-S", CHILD, "--zygote", str(theirs.fileno())]
+        argv = [sys.executable, "-I", "-S", ZYGOTE, "--zygote", str(theirs.fileno())]
         self.proc = subprocess.Popen(
             argv,
             pass_fds=[theirs.fileno()],
@@ -70,21 +77,56 @@ class _Zygote:
         )
         theirs.close()
         self.sock, self.owner, self.lock = ours, os.getpid(), threading.Lock()
+        self.ahead: collections.deque[tuple[bytes, int, socket.socket]] = collections.deque()
 
     def alive(self) -> bool:
         return self.owner == os.getpid() and self.proc.poll() is None
 
-    def launch(self, spec: dict, fds: list[int]) -> None:
-        """Sends a request (`sandbox_child.recv_message` reads it); a spec without "run" and no fds asks for
-        a child made ahead only."""
-        payload = json.dumps(spec).encode()
-        head = struct.pack("!Q", len(payload))
+    def launch(self, spec: dict, fds: list[int]) -> int | None:
+        """Starts a run (fds: stdin, stdout, stderr, status, events): through a child made ahead for its
+        prep, whose pid it returns (the zygote gets the status pipe, to report C's end if the run's PID 1
+        does not), else through the zygote, which writes the pid to the status pipe (None). A spec without
+        "run" and no fds asks for children made ahead only."""
+        prep, run = json.dumps(spec["prep"]).encode(), spec.get("run")
         with self.lock:
-            if fds:
-                socket.send_fds(self.sock, [head], fds)
-            else:
-                self.sock.sendall(head)
-            self.sock.sendall(payload)
+            self._collect(prep if spec["prep"]["ahead"] else None)
+            if run is None:
+                send_message(self.sock, b"ahead\n" + prep, [])
+                return None
+            payload = json.dumps(run).encode()
+            while self.ahead and self.ahead[0][0] == prep:
+                _, pid, channel = self.ahead.popleft()
+                try:
+                    if select.select([channel], [], [], 0)[0]:  # it never writes: readable is its end
+                        continue
+                    send_message(channel, payload, fds)
+                except OSError:
+                    continue
+                finally:
+                    channel.close()
+                send_message(self.sock, b"claim\n" + prep + b"\n" + str(pid).encode(), [fds[3]])
+                return pid
+            send_message(self.sock, b"run\n" + prep + b"\n" + payload, fds)
+            return None
+
+    def _collect(self, prep: bytes | None) -> None:
+        """Takes the children the zygote has handed over since; drops those made for a prep other than
+        `prep` (a request that may be served ahead: the zygote makes its new ones for this prep)."""
+        while select.select([self.sock], [], [], 0)[0]:
+            message = recv_message(self.sock)
+            if message is None:
+                return
+            made, _, pid = message[0].rpartition(b"\n")
+            self.ahead.append((made, int(pid), socket.socket(fileno=message[1][0])))
+        if prep is not None:
+            for entry in [e for e in self.ahead if e[0] != prep]:
+                self.ahead.remove(entry)
+                entry[2].close()  # at EOF it ends once made
+
+
+def encode(spec: dict) -> bytes:
+    """The cold path's spec on fd 4: the prep's JSON, a newline, the run's JSON."""
+    return json.dumps(spec["prep"]).encode() + b"\n" + json.dumps(spec["run"]).encode()
 
 
 _ZYGOTE: _Zygote | None = None
@@ -104,12 +146,12 @@ def start_zygote() -> bool:
 
 
 def prepare(spec: dict) -> bool:
-    """Starts the zygote if need be and has it make a child ahead from `spec["prep"]` (a spec whose
-    "ahead" is true), so that the first run with that prep finds one ready; False without a zygote."""
+    """Starts the zygote if need be and has it make children ahead from `spec["prep"]` (whose "ahead" is
+    true), so that the first run with that prep finds one ready; False without a zygote."""
     if not start_zygote():
         return False
     try:
-        _ZYGOTE.launch({"prep": spec["prep"], "ahead": spec["ahead"]}, [])
+        _ZYGOTE.launch({"prep": spec["prep"]}, [])
     except OSError:
         return False
     return True
@@ -127,7 +169,7 @@ def _report(fd: int, number: int, close: bool = False) -> None:
         os.close(fd)
 
 
-def _launch_cold(spec: dict, fds: list[int]) -> None:
+def _launch_cold(spec: dict, fds: list[int]) -> int:
     """Runs the child code in a fresh interpreter; a thread reports its wait status like the zygote does."""
     spec_r, spec_w = os.pipe()
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (fds[0], fds[1], fds[2], fds[4], spec_r)]
@@ -138,26 +180,31 @@ def _launch_cold(spec: dict, fds: list[int]) -> None:
     finally:
         for fd in (*high, spec_r):
             os.close(fd)
-    data = memoryview(json.dumps(spec).encode())
+    data = memoryview(encode(spec))
     with contextlib.suppress(BrokenPipeError):
         while data:
             data = data[os.write(spec_w, data) :]
     os.close(spec_w)
-    _report(fds[3], pid)
-    threading.Thread(target=lambda: _report(fds[3], os.waitpid(pid, 0)[1], close=True), daemon=True).start()
+    status_fd = os.dup(fds[3])
+    reporter = threading.Thread(target=lambda: _report(status_fd, os.waitpid(pid, 0)[1], close=True))
+    reporter.daemon = True
+    reporter.start()
+    return pid
 
 
-def _launch(spec: dict, fds: list[int], use_zygote: bool) -> None:
-    """Hands the child's fds (stdin, stdout, stderr, status, events) to a launcher; closes the status fd
-    only through the launcher (it carries the pid line and the wait status)."""
-    if use_zygote and start_zygote():
-        try:
-            _ZYGOTE.launch(spec, fds)
-            os.close(fds[3])
-            return
-        except OSError:
-            pass
-    _launch_cold(spec, fds)
+def _launch(spec: dict, fds: list[int], use_zygote: bool) -> int | None:
+    """Hands the child's fds (stdin, stdout, stderr, status, events) to a launcher; returns the pid of the
+    run's C when it is known here, else None: the first line on the status pipe is the pid, the next the
+    wait status. Closes the status fd (the launcher has it)."""
+    try:
+        if use_zygote and start_zygote():
+            try:
+                return _ZYGOTE.launch(spec, fds)
+            except OSError:
+                pass
+        return _launch_cold(spec, fds)
+    finally:
+        os.close(fds[3])
 
 
 class _Capture:
@@ -240,10 +287,11 @@ class _Run:
 
     def _status(self, fd: int, chunk: bytes) -> None:
         self.status_text += chunk
-        if chunk and not self.status_text.endswith(b"\n"):
+        if chunk and b"\n" not in self.status_text:
             return
         self._close(fd)
-        self.status = int(self.status_text) if self.status_text.strip() else None
+        first = self.status_text.split(b"\n", 1)[0]  # the run's PID 1 may write before the zygote does
+        self.status = int(first) if first.strip() else None
         if self.status is None:
             self.drain_until = time.monotonic()  # the launcher is gone: nothing more to wait for
             return
@@ -277,12 +325,13 @@ def execute(
     (in_r, in_w), (out_r, out_w), (err_r, err_w), (st_r, st_w), (ev_r, ev_w) = (os.pipe() for _ in range(5))
     start = time.monotonic()
     try:
-        _launch(spec, [in_r, out_w, err_w, st_w, ev_w], use_zygote)
+        pid = _launch(spec, [in_r, out_w, err_w, st_w, ev_w], use_zygote)
     finally:
         for fd in (in_r, out_w, err_w, ev_w):
             os.close(fd)
-    line = _read_line(st_r, _LOST_S)
-    pid = int(line) if line else 0
+    if pid is None:
+        line = _read_line(st_r, _LOST_S)
+        pid = int(line) if line else 0
     pipes = {"stdin": in_w, "stdout": out_r, "stderr": err_r, "status": st_r}
     run = _Run(pid, stdin, pipes, wall_s, output_bytes, group=spec["prep"]["level"] == "rlimits")
     if pid:

@@ -313,18 +313,28 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _made_ahead() -> tuple[int, str]:
-    """The zygote's child made ahead (a C; not a finished run's PID 1, "sandbox-init", which the zygote
-    reaps) and the PID namespace of that child's PID 1, in which the next run will run."""
+def _made_ahead() -> dict[str, int]:
+    """The children the zygote has made ahead (its children that are a C; a finished run's PID 1,
+    "sandbox-init", also ends up its child) by the PID namespace of their PID 1, in which their run will
+    run; once each has its PID 1."""
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
-        ahead = [c for c in _children(sandbox.zygote_pid()) if not _cmdline(c).startswith(b"sandbox-init")]
-        inits = _children(ahead[0]) if len(ahead) == 1 else []
-        with contextlib.suppress(OSError):
-            if inits:
-                return ahead[0], os.readlink(f"/proc/{inits[0]}/ns/pid")
+        cs = [c for c in _children(sandbox.zygote_pid()) if not _cmdline(c).startswith(b"sandbox-init")]
+        found = {}
+        for c in cs:
+            with contextlib.suppress(OSError, IndexError):
+                found[os.readlink(f"/proc/{_children(c)[0]}/ns/pid")] = c
+        if cs and len(found) == len(cs):
+            return found
         time.sleep(0.01)
     raise AssertionError(f"no child made ahead: zygote children {_children(sandbox.zygote_pid())}")
+
+
+def _ends(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while pathlib.Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not pathlib.Path(f"/proc/{pid}").exists()
 
 
 @needs_ahead
@@ -339,19 +349,20 @@ def test_a_child_made_ahead_serves_one_run_with_that_runs_own_limits_and_paths()
     served = []
     with Sandbox(files={"sub/mine": "a\n"}) as a, Sandbox(files={"mine": "b\n"}) as b:
         for box, limits, cwd, mine in [(a, small, "sub", "a"), (b, large, ".", "b"), (a, large, "sub", "a")]:
-            child, namespace = _made_ahead()
-            result = box.run(probe, limits=limits, cwd=cwd)
+            ahead = _made_ahead()
+            lines = box.run(probe, limits=limits, cwd=cwd).stdout.splitlines()
             where = os.path.normpath(box.workdir / cwd)
-            assert result.stdout.splitlines() == [expected[limits], where, mine, str(box.workdir), namespace]
-            assert not pathlib.Path(f"/proc/{child}").exists()  # the child that served it is gone: used once
-            served.append(child)
+            assert lines[:-1] == [expected[limits], where, mine, str(box.workdir)]
+            assert lines[-1] in ahead  # its PID namespace was made before the run was asked for
+            assert _ends(ahead[lines[-1]])  # the child that served it ends (after its report): used once
+            served.append(ahead[lines[-1]])
     assert len(set(served)) == 3
 
 
 @needs_ahead
 def test_a_run_with_other_mounts_is_not_served_by_a_child_made_for_others():
     """tmp_bytes and the network flag are made ahead (tmpfs sizes, /etc, the network namespace): a run
-    that asks for others gets a child made for it, and the zygote makes the next one for those."""
+    that asks for others gets a child made for it, and the next ones are made for those."""
     assert sandbox.start_zygote()  # made ahead for the default Limits, no network
     probe = "df -B1 --output=size /tmp | tail -n 1; test -e /etc/resolv.conf && echo resolv; "
     probe += "readlink /proc/self/ns/pid"
@@ -359,12 +370,12 @@ def test_a_run_with_other_mounts_is_not_served_by_a_child_made_for_others():
     served = []
     with Sandbox() as offline, Sandbox(network=True) as online:
         for tmp_bytes, network in runs:
-            _, namespace = _made_ahead()
+            ahead = _made_ahead()
             result = (online if network else offline).run(probe, limits=Limits(tmp_bytes=tmp_bytes))
             lines = result.stdout.splitlines()
             if LEVEL == "mount":
                 assert [x.strip() for x in lines[:-1]] == [str(tmp_bytes)] + (["resolv"] if network else [])
-            served.append(lines[-1] == namespace)
+            served.append(lines[-1] in ahead)
     assert served == [False, True, False, False, True]
 
 
