@@ -14,6 +14,13 @@ flight continue with the new weights (their cached K/V stays), each token keeps 
 with, and `Completion.policy_versions` says which version sampled each token. `update_draft_params` swaps a
 `ModelDrafter`'s weights the same way.
 
+With a `mesh` the engine runs on its devices in the inference layout (`inference.layout`: weights tensor
+parallel over heads and MLP, experts over `expert`, replicated over data / fsdp; K/V pages over the tensor
+axis; rows over the data axes), every step jitted with explicit in/out shardings; greedy and seeded tokens
+are those of one device (f32 sums in another order move log-probs by ~1e-6). `update_params` takes weights
+in any layout: on the engine's devices (the trainer's FSDP shards) or on other ones (a trainer on its own
+devices), moved without a host round trip (`inference.weight_sync`, which also syncs deltas).
+
 With `EngineConfig.record_routing` every target forward also writes the experts each MoE layer chose into
 routing pages beside the K/V, and `Completion.expert_indices` carries them (`inference.routing`).
 
@@ -24,6 +31,7 @@ The weights the engine runs on are the model's `nnx.Param`s and, with a sigmoid 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Collection, Sequence
 
@@ -32,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference import kv_pages, routing, steps
+from inference import kv_pages, layout, routing, steps, weight_sync
 from inference.drafters import (
     GroupDrafter,
     ModelDrafter,
@@ -63,18 +71,30 @@ DRAFTERS = (ModelDrafter, NgramDrafter, GroupDrafter, MTPDrafter)
 
 
 class Engine(Scheduler):
-    """`Engine(cfg, params, engine_cfg, *, draft=None)`: see the module docstring. `draft` is one of
-    `DRAFTERS` or None."""
+    """`Engine(cfg, params, engine_cfg, *, draft=None, mesh=None)`: see the module docstring. `draft` is
+    one of `DRAFTERS` or None. `mesh` (`model.sharding.make_mesh`): the engine's devices and the inference
+    layout (`inference.layout`); None keeps the weights where they are and the cache on their device."""
 
-    def __init__(self, cfg, params, engine_cfg: EngineConfig | None = None, *, draft=None):
-        self.cfg, self.ecfg = cfg, engine_cfg or EngineConfig()
+    def __init__(
+        self,
+        cfg,
+        params,
+        engine_cfg: EngineConfig | None = None,
+        *,
+        draft=None,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.cfg, self.ecfg, self.mesh = cfg, engine_cfg or EngineConfig(), mesh
         e = self.ecfg
-        self._graphdef, abstract = split_weights(cfg)
+        if mesh is not None:
+            layout.check_mesh(mesh)
+        self._graphdef, abstract = split_weights(self._model_cfg(cfg))
         params = model_weights("params", params, abstract)
-        # Committed placements, so that weights from update_params (placed alike) hit the same executables.
-        self.params = _committed(params)
-        self._param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
-        self._copy_params = _copier(self.params)
+        if mesh is None:  # where they are (committed by the copy: weights placed alike hit its executables)
+            self._weight_shardings = jax.tree.map(lambda a: a.sharding, params)
+        else:
+            self._weight_shardings = layout.weight_shardings(abstract, mesh, self._rules)
+        self.params, _ = weight_sync.to_layout(params, self._weight_shardings)
         self.version = 0
         self.vocab = cfg.model.vocab_size
         if draft is not None and not isinstance(draft, DRAFTERS):
@@ -107,32 +127,41 @@ class Engine(Scheduler):
         self.prefix = kv_pages.PrefixCache(self.pool, e.page_size, e.prefix_pages, e.host_cache_pages)
         dtype = e.cache_dtype or cfg.model.compute_dtype
         model = nnx.merge(self._graphdef, self.params)
-        kv = model.init_paged_cache(e.pool_pages, e.page_size, dtype)
         m = cfg.model
+        kv_heads = model.cache_rows()[1]
+        kv = jax.eval_shape(lambda: model.init_paged_cache(e.pool_pages, e.page_size, dtype))
         self.num_moe_layers = model_config.layer_counts(m)[1]
         if e.record_routing and self.num_moe_layers:
-            kv["experts"] = routing.init_pages(
-                self.num_moe_layers, e.pool_pages, e.page_size, m.moe.top_k, m.moe.num_experts
-            )
-        self.kv = _committed(kv)
-        self.draft_kv = self.draft_params = None
-        if isinstance(draft, ModelDrafter):
-            # The engine's own copy (committed, like self.params), swapped by update_draft_params.
-            self._copy_draft_params = _copier(draft.params)
-            self.draft_params = self._copy_draft_params(_committed(draft.params))
-            draft_model = nnx.merge(draft.graphdef, self.draft_params)
-            self.draft_kv = _committed(draft_model.init_paged_cache(e.pool_pages, e.page_size, dtype))
-        self.mtp_kv = self._mtp_carry = None
-        if isinstance(draft, MTPDrafter):
-            self.mtp_kv = _committed(model.init_mtp_paged_cache(e.pool_pages, e.page_size, dtype))
-            rows, compute = e.max_batch, jnp.dtype(m.compute_dtype)
-            self._mtp_carry = _committed(
-                steps.MTPCarry(
-                    jnp.zeros((rows,), jnp.int32),
-                    jnp.zeros((rows, self.vocab), jnp.float32),
-                    jnp.zeros((rows, m.d_model), compute),
+            kv["experts"] = jax.eval_shape(
+                lambda: routing.init_pages(
+                    self.num_moe_layers, e.pool_pages, e.page_size, m.moe.top_k, m.moe.num_experts
                 )
             )
+        self.kv = self._zeros(kv, kv_heads)
+        self.draft_kv = self.draft_params = self._draft_graphdef = None
+        if isinstance(draft, ModelDrafter):
+            # The engine's own copy, swapped by update_draft_params.
+            self._draft_graphdef, draft_abstract = split_weights(self._model_cfg(draft.cfg))
+            self._draft_shardings = (
+                jax.tree.map(lambda a: a.sharding, draft.params)
+                if mesh is None
+                else layout.weight_shardings(draft_abstract, mesh, self._rules)
+            )
+            self.draft_params, _ = weight_sync.to_layout(draft.params, self._draft_shardings)
+            draft_model = nnx.merge(self._draft_graphdef, self.draft_params)
+            shapes = jax.eval_shape(lambda: draft_model.init_paged_cache(e.pool_pages, e.page_size, dtype))
+            self.draft_kv = self._zeros(shapes, draft_model.cache_rows()[1])
+        self.mtp_kv = self._mtp_carry = None
+        if isinstance(draft, MTPDrafter):
+            shapes = jax.eval_shape(lambda: model.init_mtp_paged_cache(e.pool_pages, e.page_size, dtype))
+            self.mtp_kv = self._zeros(shapes, kv_heads)
+            rows, compute = e.max_batch, jnp.dtype(m.compute_dtype)
+            carry = steps.MTPCarry(
+                jax.ShapeDtypeStruct((rows,), jnp.int32),
+                jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32),
+                jax.ShapeDtypeStruct((rows, m.d_model), compute),
+            )
+            self._mtp_carry = self._zeros(carry, None)
         # MTP drafter: (sequence id, start) whose next first draft each slot's carry holds, else None.
         self._carry_for: list[tuple[int, int] | None] = [None] * e.max_batch
         self._build_steps()
@@ -311,7 +340,9 @@ class Engine(Scheduler):
         params = model_weights("params", params, self.params, keep=self.params)
         with self._counting():
             # A copy: the trainer donates its params to the next step while sampling may still run.
-            self.params = self._copy_params(jax.device_put(params, self._param_shardings))
+            self.params, moved = weight_sync.to_layout(params, self._weight_shardings, current=self.params)
+            self._stats["weight_bytes"] += moved
+            self._stats["weight_syncs"] += 1
             self.prefix.clear()
             self.version += 1
             return self.version
@@ -327,8 +358,7 @@ class Engine(Scheduler):
             )
         params = model_weights("draft params", params, self.draft_params, keep=self.draft_params)
         with self._counting():
-            shardings = jax.tree.map(lambda a: a.sharding, self.draft_params)
-            self.draft_params = self._copy_draft_params(jax.device_put(params, shardings))
+            self.draft_params, _ = weight_sync.to_layout(params, self._draft_shardings)
 
     def warmup(self, *, score_lengths: Sequence[int] = ()) -> None:
         """Compiles every shape `step` can use (prefill buckets, decode / speculative step, page copies,
@@ -373,9 +403,9 @@ class Engine(Scheduler):
                 while b <= e.score_batch:
                     self.score([[0]] * b, [[0] * max(length - 1, 1)] * b)
                     b *= 2
-            self.params = self._copy_params(self.params)
+            self.params, _ = weight_sync.to_layout(self.params, self._weight_shardings)
             if self.draft_params is not None:
-                self.draft_params = self._copy_draft_params(self.draft_params)
+                self.draft_params, _ = weight_sync.to_layout(self.draft_params, self._draft_shardings)
         jax.block_until_ready(self.kv)
         self._warm_compiles = self._compiles[0]
 
@@ -518,19 +548,51 @@ class Engine(Scheduler):
     def _build_steps(self) -> None:
         """The jitted steps, shared by every engine over the same model graph and sizes (no re-tracing
         when an engine is rebuilt)."""
-        g, e = self._graphdef, self.ecfg
-        self._prefill_fn = steps.jitted("prefill", g)
-        self._decode = steps.jitted("decode", g)
-        self._score = steps.jitted("score", g)
-        self._copy = steps.jitted("copy")
+        g, e, place = self._graphdef, self.ecfg, self._placement()
+        self._prefill_fn = steps.jitted("prefill", g, place=place)
+        self._decode = steps.jitted("decode", g, place=place)
+        self._score = steps.jitted("score", g, place=place)
+        self._copy = steps.jitted("copy", place=place)
+        self._copy_draft = self._copy_mtp = self._copy
+        if place is not None:  # `copy` copies the pages of place.kv
+            if self.draft_kv is not None:
+                self._copy_draft = steps.jitted("copy", place=dataclasses.replace(place, kv=place.draft_kv))
+            if self.mtp_kv is not None:
+                self._copy_mtp = steps.jitted("copy", place=dataclasses.replace(place, kv=place.mtp_kv))
         if isinstance(self.draft, ModelDrafter):
-            self._draft_prefill = steps.jitted("prefill", self.draft.graphdef)
-            self._spec = steps.jitted("spec_model", g, self.draft.graphdef, e.num_draft, self._resample_from)
+            draft_g = self._draft_graphdef
+            draft_place = (
+                None
+                if place is None
+                else dataclasses.replace(place, params=place.draft_params, kv=place.draft_kv)
+            )
+            self._draft_prefill = steps.jitted("prefill", draft_g, place=draft_place)
+            self._spec = steps.jitted("spec_model", g, draft_g, e.num_draft, self._resample_from, place=place)
         elif isinstance(self.draft, MTPDrafter):
-            self._prefill_fn = steps.jitted("prefill_mtp", g)
-            self._spec = steps.jitted("spec_mtp", g, e.num_draft, self._resample_from)
+            self._prefill_fn = steps.jitted("prefill_mtp", g, place=place)
+            self._spec = steps.jitted("spec_mtp", g, e.num_draft, self._resample_from, place=place)
         elif self.draft is not None:  # one-hot proposals from the host
-            self._spec = steps.jitted("spec_tokens", g, self.vocab, self._resample_from)
+            self._spec = steps.jitted("spec_tokens", g, self.vocab, self._resample_from, place=place)
+
+    def _placement(self) -> layout.Placement | None:
+        trees = (self.params, self.kv, self.draft_params, self.draft_kv, self.mtp_kv)
+        return None if self.mesh is None else layout.placement(self.mesh, *trees)
+
+    @property
+    def _rules(self) -> tuple:
+        return layout.inference_rules(tuple(self.cfg.mesh.rules))
+
+    def _model_cfg(self, cfg):
+        """The config the engine builds a model graph from: with a mesh, the inference rules."""
+        return cfg if self.mesh is None else layout.inference_config(cfg)
+
+    def _zeros(self, shapes, kv_heads: int | None):
+        return layout.cache_zeros(shapes, self.mesh, kv_heads)
+
+    @property
+    def devices(self) -> set:
+        """The devices holding the engine's weights."""
+        return {d for a in jax.tree.leaves(self.params) for d in a.sharding.device_set}
 
     def _run_prefill(self, tokens, next_tokens, table, start, num) -> None:
         if self.mtp_kv is not None:
@@ -554,9 +616,9 @@ class Engine(Scheduler):
                 src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
             self.kv = self._copy(self.kv, src, dst)
             if self.draft_kv is not None:
-                self.draft_kv = self._copy(self.draft_kv, src, dst)
+                self.draft_kv = self._copy_draft(self.draft_kv, src, dst)
             if self.mtp_kv is not None:
-                self.mtp_kv = self._copy(self.mtp_kv, src, dst)
+                self.mtp_kv = self._copy_mtp(self.mtp_kv, src, dst)
 
     def _run_spec(self, rows: steps.Rows, draft, num_draft):
         if isinstance(self.draft, ModelDrafter):
@@ -589,16 +651,3 @@ class _Counting:
     def __exit__(self, *exc):
         _TLS.counter = self.saved
         self.lock.release()
-
-
-def _copier(tree):
-    """A jitted copy of a tree like `tree`, placed like it (the engine's copies of weights it was given)."""
-    return jax.jit(
-        lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda a: a.sharding, tree)
-    )
-
-
-def _committed(tree):
-    """Commits arrays to their current placement: jit caches executables per committed-ness, so arrays
-    that later come back from jitted steps (committed) must start out committed too."""
-    return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, tree))

@@ -261,16 +261,21 @@ def _gather(k_pages_KPLH, v_pages_KPLH, pages_N):
     return k_pages_KPLH[:, pages_N], v_pages_KPLH[:, pages_N]
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _scatter(k_pages_KPLH, v_pages_KPLH, pages_N, k_KNLH, v_KNLH):
+def _scatter_fn(k_pages_KPLH, v_pages_KPLH, pages_N, k_KNLH, v_KNLH):
     return k_pages_KPLH.at[:, pages_N].set(k_KNLH), v_pages_KPLH.at[:, pages_N].set(v_KNLH)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _copy(k_pages_KPLH, v_pages_KPLH, src_N, dst_N):
+def _copy_fn(k_pages_KPLH, v_pages_KPLH, src_N, dst_N):
     return k_pages_KPLH.at[:, dst_N].set(k_pages_KPLH[:, src_N]), v_pages_KPLH.at[:, dst_N].set(
         v_pages_KPLH[:, src_N]
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _in_place(fn, k_sharding, v_sharding):
+    """`fn` jitted with the pool arrays donated and its outputs placed like them (a pool sharded over a
+    mesh stays as the engine's steps expect it)."""
+    return jax.jit(fn, donate_argnums=(0, 1), out_shardings=(k_sharding, v_sharding))
 
 
 def gather_pages(
@@ -291,7 +296,8 @@ def scatter_pages(
     """New (k_pages_KPLH, v_pages_KPLH) with the host pages written at `pages`; donates the old arrays.
     Padding writes zeros into `NULL_PAGE`, whose contents are never read unmasked."""
     pad = ((0, 0), (0, _bucket(len(pages)) - len(pages)), (0, 0), (0, 0))
-    return _scatter(k_pages_KPLH, v_pages_KPLH, _padded(pages), np.pad(k_KNLH, pad), np.pad(v_KNLH, pad))
+    scatter = _in_place(_scatter_fn, k_pages_KPLH.sharding, v_pages_KPLH.sharding)
+    return scatter(k_pages_KPLH, v_pages_KPLH, _padded(pages), np.pad(k_KNLH, pad), np.pad(v_KNLH, pad))
 
 
 def copy_pages(
@@ -302,7 +308,8 @@ def copy_pages(
     if not copies:
         return k_pages_KPLH, v_pages_KPLH
     src, dst = zip(*copies)
-    return _copy(k_pages_KPLH, v_pages_KPLH, _padded(src), _padded(dst))
+    copy = _in_place(_copy_fn, k_pages_KPLH.sharding, v_pages_KPLH.sharding)
+    return copy(k_pages_KPLH, v_pages_KPLH, _padded(src), _padded(dst))
 
 
 # --- Prefix cache and host tier -------------------------------------------------------------------------

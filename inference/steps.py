@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inference import routing, sampling, speculative
+from inference import layout, routing, sampling, speculative
 from inference.sampling import SamplingArrays
 from model.transformer import page_keys
 
@@ -277,28 +277,75 @@ def copy_pages(kv: dict, src_N, dst_N) -> dict:
     return {name: a.at[:, dst_N].set(a[:, src_N]) for name, a in kv.items()}
 
 
-@functools.lru_cache(maxsize=64)
-def jitted(kind: str, *static):
-    """The jitted step `kind` over static arguments (graph definitions, sizes), shared by every engine over
-    the same model graph and sizes, so an engine rebuilt with them does not re-trace."""
+# Per kind: the step function and which arguments / outputs are weights ("params", "draft_params"), caches
+# ("kv", "draft_kv", "mtp_kv") or small replicated arrays (None); the caches are donated.
+_SIGNATURES = {
+    "prefill": (("params", "kv", None, None, None, None), "kv"),
+    "decode": (("params", "kv", None), ("kv", None, None, None)),
+    "score": (("params", None, None), (None, None)),
+    "copy": (("kv", None, None), "kv"),
+    "spec_model": (
+        ("params", "draft_params", "kv", "draft_kv", None),
+        ("kv", "draft_kv", None, None, None, None),
+    ),
+    "prefill_mtp": (("params", "kv", "mtp_kv", None, None, None, None, None), ("kv", "mtp_kv")),
+    "spec_mtp": (
+        ("params", "kv", "mtp_kv", None, None, None),
+        ("kv", "mtp_kv", None, None, None, None, None),
+    ),
+    "spec_tokens": (("params", "kv", None, None, None), ("kv", None, None, None, None)),
+}
+
+
+def _function(kind: str, static: tuple):
+    """(the step over its static arguments, donated argument numbers)."""
     if kind in ("prefill", "decode"):
-        return jax.jit(functools.partial(prefill if kind == "prefill" else decode, *static), donate_argnums=1)
+        return functools.partial(prefill if kind == "prefill" else decode, *static), (1,)
     if kind == "score":
-        return jax.jit(functools.partial(score, *static))
+        return functools.partial(score, *static), ()
     if kind == "copy":
-        return jax.jit(copy_pages, donate_argnums=0)
+        return copy_pages, (0,)
     if kind == "spec_model":
         g, draft_g, k, resample_from = static
-        fn = functools.partial(speculative_model, g, draft_g, num_draft=k, resample_from=resample_from)
-        return jax.jit(fn, donate_argnums=(2, 3))
+        return functools.partial(speculative_model, g, draft_g, num_draft=k, resample_from=resample_from), (
+            2,
+            3,
+        )
     if kind == "prefill_mtp":
-        return jax.jit(functools.partial(prefill_mtp, *static), donate_argnums=(1, 2))
+        return functools.partial(prefill_mtp, *static), (1, 2)
     if kind == "spec_mtp":
         g, k, resample_from = static
-        fn = functools.partial(speculative_mtp, g, num_draft=k, resample_from=resample_from)
-        return jax.jit(fn, donate_argnums=(1, 2))
+        return functools.partial(speculative_mtp, g, num_draft=k, resample_from=resample_from), (1, 2)
     if kind == "spec_tokens":
         g, vocab, resample_from = static
-        fn = functools.partial(speculative_tokens, g, vocab=vocab, resample_from=resample_from)
-        return jax.jit(fn, donate_argnums=1)
+        return functools.partial(speculative_tokens, g, vocab=vocab, resample_from=resample_from), (1,)
     raise ValueError(f"unknown step kind {kind!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def jitted(kind: str, *static, place: layout.Placement | None = None):
+    """The jitted step `kind` over static arguments (graph definitions, sizes), shared by every engine over
+    the same model graph, sizes and placement, so an engine rebuilt with them does not re-trace.
+
+    With a `place` (an engine on a mesh) every argument and output gets its sharding from it (weights and
+    caches as placed, the rest replicated) and the step traces under the mesh, so the model's activation
+    constraints apply; `copy` copies the pages of `place.kv`. Without one, placements follow the arguments."""
+    fn, donate = _function(kind, static)
+    if place is None:
+        return jax.jit(fn, donate_argnums=donate)
+    ins, outs = _SIGNATURES[kind]
+    pick = lambda name: place.replicated if name is None else getattr(place, name).tree
+    out_shardings = pick(outs) if isinstance(outs, str) else tuple(pick(n) for n in outs)
+    mesh = place.mesh.abstract_mesh
+
+    @functools.wraps(fn)
+    def on_mesh(*args):
+        with jax.sharding.use_abstract_mesh(mesh):
+            return fn(*args)
+
+    return jax.jit(
+        on_mesh,
+        in_shardings=tuple(pick(n) for n in ins),
+        out_shardings=out_shardings,
+        donate_argnums=donate,
+    )
