@@ -147,20 +147,25 @@ def param_bytes_per_device(
     state: nnx.State | None = None,
     *,
     dtype: str | None = None,
+    replicate_uneven: bool = False,
 ) -> dict[str, Shard]:
     """'/'-joined parameter path -> `Shard` (its bytes on one device, evenness, expert or not).
 
     The PartitionSpec comes from the parameter's `logical_axes` and cfg.mesh.rules; each dim is
-    split over the product of its mesh axes' sizes, rounded up when uneven. Bytes use `dtype` when
-    given, else the parameter's own dtype (param_dtype, except the router, which is always f32).
+    split over the product of its mesh axes' sizes, rounded up when uneven (or, with
+    `replicate_uneven`, kept whole, as the engine's inference layout keeps such a dim). Bytes use
+    `dtype` when given, else the parameter's own dtype (param_dtype, except the router, which is
+    always f32).
     """
     sizes, rules = mesh_sizes(mesh_shape), tuple(cfg.mesh.rules)
     out = {}
     for path, v in nnx.to_flat_state(abstract_params(cfg) if state is None else state):
         spec = sharding.logical_to_spec(v.get_metadata()["logical_axes"], rules)
         shards = [_num_shards(entry, sizes) for entry in spec]
-        local = math.prod(-(-dim // n) for dim, n in zip(v.shape, shards))
         even = all(dim % n == 0 for dim, n in zip(v.shape, shards))
+        if replicate_uneven:
+            shards = [n if dim % n == 0 else 1 for dim, n in zip(v.shape, shards)]
+        local = math.prod(-(-dim // n) for dim, n in zip(v.shape, shards))
         nbytes = local * jnp.dtype(dtype or v.dtype).itemsize
         out["/".join(map(str, path))] = Shard(nbytes, even, _is_expert(v))
     return out

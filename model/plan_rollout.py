@@ -49,10 +49,11 @@ def inference_weight_bytes_per_device(
     cfg: ConfigDict, mesh_shape: Mapping[str, int], dtype: str | None = None, state=None
 ) -> dict[str, plan_lib.Shard]:
     """'/'-joined parameter path -> `Shard` under the inference layout, in `dtype` (default: each
-    parameter's own, what `inference.Engine` holds when given the trainer's params)."""
+    parameter's own, what `inference.Engine` holds when given the trainer's params). A dim that does
+    not divide its mesh axes is kept whole (replicated over them; `Shard.even` is False)."""
     infer = cfg.copy_and_resolve_references()
     infer.mesh.rules = inference_rules(cfg.mesh.rules)
-    return plan_lib.param_bytes_per_device(infer, mesh_shape, state, dtype=dtype)
+    return plan_lib.param_bytes_per_device(infer, mesh_shape, state, dtype=dtype, replicate_uneven=True)
 
 
 def kv_sharded_over_tensor(cfg: ConfigDict, tensor: int) -> bool:
@@ -100,7 +101,9 @@ def rollout_plan(
     free = int(hbm_gib * 2**30) - weights
     per_device = max(free, 0) // (context * kv_token)
     devices = math.prod(sizes.values())
-    warnings = [f"{p} does not divide over its mesh axes" for p, s in shards.items() if not s.even]
+    warnings = [
+        f"{p} does not divide over its mesh axes: replicated" for p, s in shards.items() if not s.even
+    ]
     if free < 0:
         warnings.append(f"the weights alone ({weights / 2**30:.1f} GiB) exceed {hbm_gib:g} GiB per device")
     if sizes["sequence"] > 1:

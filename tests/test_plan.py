@@ -313,6 +313,11 @@ def test_rollout_weights_kv_and_sequences_by_hand():
     half = plan_rollout.rollout_plan(cfg, mesh, context=64, hbm_gib=1 / 1024, weight_dtype="bfloat16")
     assert half["weight_bytes_per_device"] == 78720 * 2
     assert plan_rollout.kv_bytes_per_token_per_device(cfg, 4) == 512
+    # On tensor 4 the 2 kv heads of k and v do not divide: the engine keeps them whole on every device,
+    # 2 layers x 64 x 2 x 16 each instead of a split, and says so.
+    shards = plan_rollout.inference_weight_bytes_per_device(cfg, {"tensor": 4})
+    assert shards["moe_layers/blocks/attn/k"] == plan.Shard(2 * 64 * 2 * 16 * 4, even=False, expert=False)
+    assert shards["moe_layers/blocks/attn/q"].bytes_per_device == 2 * 64 * 1 * 16 * 4  # 4 heads split
 
 
 def test_rollout_mla_cache_replicated_over_tensor():
