@@ -3,12 +3,13 @@
 Rollout memory: the engine's weights per device under the inference layout, the KV-cache bytes per token
 per device, and how many sequences of a given context fit per device beside the weights in a given HBM.
 
-Inference layout: the training rules (`cfg.mesh.rules`) with the `data` and `fsdp` mesh axes removed from
-every entry. Weights are then tensor parallel over heads, MLP width and vocab, experts are split over
-`expert`, and everything is replicated over data and fsdp (which, like `expert`, hold different
-sequences). KV cache per device: GQA keys and values are split over `tensor` when num_kv_heads divides by
-it and are replicated over it otherwise; MLA's latent row is shared by every head, so it is replicated
-over `tensor`.
+Inference layout: the engine's (`inference.layout`): the training rules with `data`, `fsdp` (and
+`sequence`) dropped from every weight's axes, so weights are tensor parallel over heads, kv heads, MLP
+width and vocab, experts are split over `expert`, everything is replicated over data and fsdp (which,
+like `expert`, hold different sequences), and a dim that does not divide its mesh axes is kept whole. KV
+cache per device, the same rule as `inference.layout.page_shardings`: GQA keys and values are split over
+`tensor` when num_kv_heads divides by it and are replicated over it otherwise; MLA's latent row is read
+by every head, so it is replicated over `tensor`.
 
 MoE all-to-all, per device per MoE layer for n tokens dispatched by that device (derivation in
 `all_to_all_bytes_per_layer`).
@@ -26,23 +27,11 @@ from configs.base import DTYPES
 from model import config as config_lib
 from model import plan as plan_lib
 
-INFERENCE_DROPPED_AXES = ("data", "fsdp")  # weights are replicated over these at inference
-
 # Cloud TPU v5p: "HBM2e capacity and bandwidth: 95 GB, 2765 GBps" per chip (cloud.google.com/tpu/docs/v5p,
 # key specifications). The planner reads the 95 as GiB, its default since it was written; if the page's GB
 # are 10**9 bytes, a chip has 88.5 GiB (pass --hbm_gib=88.5). Other chips: --hbm_gib (v5e 16 GB, v6e 32 GB,
 # H100 80 GB, H200 141 GB, by their vendors' pages).
 V5P_HBM_GIB = 95.0
-
-
-def inference_rules(rules) -> tuple:
-    """`rules` with the mesh axes in `INFERENCE_DROPPED_AXES` removed from every entry."""
-    out = []
-    for name, target in rules:
-        axes = (target,) if isinstance(target, str) else tuple(target or ())
-        kept = tuple(a for a in axes if a not in INFERENCE_DROPPED_AXES)
-        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
-    return tuple(out)
 
 
 def inference_weight_bytes_per_device(
@@ -51,8 +40,9 @@ def inference_weight_bytes_per_device(
     """'/'-joined parameter path -> `Shard` under the inference layout, in `dtype` (default: each
     parameter's own, what `inference.Engine` holds when given the trainer's params). A dim that does
     not divide its mesh axes is kept whole (replicated over them; `Shard.even` is False)."""
-    infer = cfg.copy_and_resolve_references()
-    infer.mesh.rules = inference_rules(cfg.mesh.rules)
+    from inference.layout import inference_config  # late: inference imports the model
+
+    infer = inference_config(cfg)
     return plan_lib.param_bytes_per_device(infer, mesh_shape, state, dtype=dtype, replicate_uneven=True)
 
 

@@ -271,19 +271,27 @@ def test_gradients_are_f32_whatever_param_dtype():
 # --- rollout memory ----------------------------------------------------------------------------------------
 
 
-def test_inference_rules_drop_data_and_fsdp():
-    rules = (
-        ("embed", "fsdp"),
-        ("vocab", "tensor"),
-        ("exp", "expert"),
-        ("act_batch", ("data", "fsdp", "expert")),
-    )
-    assert plan_rollout.inference_rules(rules) == (
-        ("embed", None),
-        ("vocab", "tensor"),
-        ("exp", "expert"),
-        ("act_batch", "expert"),
-    )
+def test_rollout_bytes_equal_the_engine_layout():
+    # The engine's own shardings (inference.layout) on 8 fake devices, tiny's 2 kv heads on tensor 4:
+    # every weight's shard and the K/V pages' split match what the planner counts.
+    from inference import layout
+
+    cfg = tiny.get_config()
+    mesh_shape = {"expert": 2, "tensor": 4}
+    mesh = sharding.make_mesh(mesh_shape)
+    abstract = plan.abstract_params(cfg)
+    placed = layout.weight_shardings(abstract, mesh, layout.inference_rules(tuple(cfg.mesh.rules)))
+    shapes = dict(nnx.to_flat_state(abstract))
+    engine = {
+        "/".join(map(str, path)): math.prod(v.get_value().shard_shape(shapes[path].shape))
+        * shapes[path].dtype.itemsize
+        for path, v in nnx.to_flat_state(placed)
+    }
+    planned = plan_rollout.inference_weight_bytes_per_device(cfg, mesh_shape)
+    assert engine == {path: s.bytes_per_device for path, s in planned.items()}
+    pages = layout.page_shardings({"k": None, "v": None}, mesh, cfg.model.num_kv_heads)
+    assert pages["k"].spec == jax.sharding.PartitionSpec()  # 2 kv heads on tensor 4: replicated
+    assert not plan_rollout.kv_sharded_over_tensor(cfg, 4) and plan_rollout.kv_sharded_over_tensor(cfg, 2)
 
 
 def test_rollout_weights_kv_and_sequences_by_hand():
