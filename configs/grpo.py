@@ -93,7 +93,17 @@ def _rl_table() -> dict:
         # --- domains and curriculum
         "domains": Names(("math",), "task domains (envs.registry names)", _domains),
         "levels": Block(
-            "domain -> difficulty levels to draw from (default: all)", value=Ints("levels", lo=0)
+            "domain -> difficulty levels to draw from (default: all)", value=Ints("levels", lo=-1)
+        ),
+        "data.holdout": Float(
+            0.125, "fraction of prompts held out (eval split: reported only)", lo=0, hi=1, lo_open=True
+        ),
+        "data.selection": Float(
+            0.125,
+            "fraction of prompts kept for choosing recipes (selection split; holdout + selection < 1)",
+            lo=0,
+            hi=1,
+            hi_open=True,
         ),
         "curriculum": Choice(
             "adaptive", "adaptive (reward gain per unit of compute) or static weights", ("adaptive", "static")
@@ -132,6 +142,18 @@ def _rl_table() -> dict:
         "env": Block(
             "domain -> constructor kwargs (checked against its signature), e.g. rl.env.code.reward=fraction",
             {"code": {"reward": "all_or_nothing"}, "terminal": {"disturbance": False}},
+        ),
+        # --- where the engine runs, and how the weights reach it
+        "sampler_devices": Int(
+            0,
+            "devices of each process kept for the engine (disaggregated: the trainer's mesh takes the rest); "
+            "0: the engine shares the trainer's devices (colocated)",
+            lo=0,
+        ),
+        "weight_sync_delta": Float(
+            -1.0,
+            "delta weight sync: push only parameters whose largest change since last pushed exceeds this "
+            "(0: every changed one); negative: push all",
         ),
         # --- async pipeline, checkpoints, logs
         "async_rollout": Bool(False, "overlap sampling with training (bounded staleness)"),

@@ -7,19 +7,26 @@ environment's `sample_tasks(seed=<that>, n=1, difficulty=<level>)` builds the ta
 `get_state()` is grain's iterator state (JSON), so a restored stream yields exactly the tasks an uninterrupted
 one would.
 
-Held-out evaluation. Train and eval draw from disjoint seed spaces (even and odd seeds) and, since different
-seeds can still give the same prompt (small template pools), every task is also assigned to a split by a
-hash of its prompt: a fraction `holdout` of prompts belongs to eval and the rest to train; a record whose
-task lands in the other split is redrawn (next attempt). So no prompt is ever in both splits, whatever the
-pool size. The price shows in small pools: `terminal` has a few dozen prompt templates (the per-task files
-differ per task), and a prompt-level split would hold whole templates (most of one level) out of training
-and leave eval without some levels. Such domains (`DEFAULT_SPLIT_ON`) split on the full task (prompt +
-metadata) instead: instances are held out and templates are shared. `split_on="prompt"` forces the strict
-split anywhere. Both splits must use the same `holdout` and `split_on`.
+Splits. Every domain has three disjoint splits: `train` (the trainer's stream), `selection` (for choosing a
+recipe: `selection_tasks`, `benchmarks/demo_recipe.py`) and `eval` (held out, reported only:
+`heldout_tasks`). They draw from disjoint seed spaces (train seeds even, eval seeds 1 mod 4, selection 3 mod
+4) and, since different seeds can still give the same prompt (small template pools), every task is also
+assigned to a split by a hash of its prompt, read as a number u in [0, 1): u < `holdout` is eval, `holdout`
+<= u < `holdout + selection` is selection, the rest train; a record whose task lands in another split is
+redrawn (next attempt). So no prompt is ever in two splits, whatever the pool size (`selection=0` leaves
+the eval and train splits of before the selection split existed). The price shows in small pools:
+`terminal` has a few dozen prompt templates (the per-task files differ per task), and a prompt-level split
+would hold whole templates (most of one level) out of training and leave eval without some levels. Such
+domains (`DEFAULT_SPLIT_ON`) split on the full task (prompt + metadata) instead: instances are held out and
+templates are shared. `split_on="prompt"` forces the strict split anywhere. All streams of a run must use
+the same `holdout`, `selection` and `split_on` (the config's `rl.data.holdout` / `rl.data.selection`:
+`split_kwargs(cfg)`).
 
 Data that comes split (an environment with `data_splits`, e.g. `math` with `train_jsonl`/`test_jsonl` or
 `tfds_name`: GSM8K's own train and test) needs no holdout: the train stream draws from the data's "train"
-split and the eval stream from its "test" split (`DATA_SPLIT`).
+split and the eval stream from its "test" split (`DATA_SPLIT`); the selection stream draws from "train"
+too, the prompts whose hash falls in the selection fraction (the train stream then skips them), since such
+data has no third split of its own.
 
 Environment options. `env_kwargs` (the config's `rl.env.<domain>`, see `env_kwargs(cfg)`) go to the stream's
 environment, as they go to the pool's workers. They are not part of a stream's identity: options that only
@@ -29,7 +36,9 @@ does record is a digest of the stream's first tasks, so a resume under options o
 saved position in other data.
 
 `heldout_tasks(cfg, tokenizer)` is the one held-out selection: the trainer's before/after evaluation and
-`python -m rl.evaluate` both score it.
+`python -m rl.evaluate` both score it. Its tasks have distinct prompts (distinct split keys where a domain
+splits on the whole task), so `len(tasks)` is the number of distinct held-out prompts the table reports.
+`selection_tasks(cfg, tokenizer)` picks the selection split's tasks the same way.
 
 JAX-free at import: the trainer feeds the tasks to `envs.EnvPool`, which is where the prompts are rendered
 (only `fits_prompt` imports `rl.rollout`, and JAX with it).
@@ -39,22 +48,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import grain
 
 from envs import Environment, Task, registry
 
-Split = Literal["train", "eval"]
-SPLITS: tuple[Split, ...] = ("train", "eval")
+Split = Literal["train", "selection", "eval"]
+SPLITS: tuple[Split, ...] = ("train", "selection", "eval")
 SplitOn = Literal["prompt", "task"]
 # Domains whose prompts are a few templates over per-task hidden data split on the whole task (see above).
 # `debug` has one prompt: only its instances can be held out.
 DEFAULT_SPLIT_ON: dict[str, SplitOn] = {"terminal": "task", "debug": "task"}
 MAX_ATTEMPTS = 256  # redraws of one record before giving up: the split's share of the pool is ~empty
 # The data split each stream draws from, for environments whose data comes split (`env.data_splits`).
-DATA_SPLIT: dict[Split, str] = {"train": "train", "eval": "test"}
+DATA_SPLIT: dict[Split, str] = {"train": "train", "selection": "train", "eval": "test"}
+# The env seed of a record's attempt is SEED_MODULUS * (hash // SEED_MODULUS) + SEED_OFFSET[split].
+SEED_SPACE: dict[Split, tuple[int, int]] = {"train": (2, 0), "eval": (4, 1), "selection": (4, 3)}
+HOLDOUT, SELECTION = 0.125, 0.125  # default fractions of prompts held out and kept for selection
 FINGERPRINT_RECORDS = 4  # records whose tasks identify a stream's contents (checked on resume)
 HELDOUT_DRAWS_PER_TASK = 64  # eval-stream draws per wanted task before heldout_tasks gives up
 
@@ -64,15 +76,33 @@ def _hash64(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def split_of(task: Task, *, holdout: float, split_on: SplitOn = "prompt") -> Split:
-    """The split `task` belongs to: eval for a `holdout` fraction of prompts (or whole tasks)."""
+def split_key(task: Task, split_on: SplitOn = "prompt") -> Any:
+    """What the split is decided on: the prompt, or the whole task (`split_on="task"`)."""
     if split_on == "prompt":
-        key = task.prompt
-    elif split_on == "task":
-        key = [task.id, task.prompt, task.metadata]
-    else:
-        raise ValueError(f"split_on={split_on!r}; use 'prompt' or 'task'")
-    return "eval" if _hash64("split", key) / 2.0**64 < holdout else "train"
+        return task.prompt
+    if split_on == "task":
+        return [task.id, task.prompt, task.metadata]
+    raise ValueError(f"split_on={split_on!r}; use 'prompt' or 'task'")
+
+
+def split_of(
+    task: Task, *, holdout: float = HOLDOUT, selection: float = 0.0, split_on: SplitOn = "prompt"
+) -> Split:
+    """The split `task` belongs to: eval for a `holdout` fraction of prompts (or whole tasks), selection
+    for the next `selection` fraction, train for the rest."""
+    u = _hash64("split", split_key(task, split_on)) / 2.0**64
+    return "eval" if u < holdout else "selection" if u < holdout + selection else "train"
+
+
+def check_fractions(holdout: float, selection: float) -> None:
+    """Both fractions in range and leaving train some prompts; the error names the config field."""
+    if not 0 < holdout < 1:
+        raise ValueError(f"holdout (rl.data.holdout) = {holdout} must be in (0, 1): eval needs prompts")
+    if not 0 <= selection < 1 or holdout + selection >= 1:
+        raise ValueError(
+            f"selection (rl.data.selection) = {selection} must be in [0, 1) with holdout + selection < 1 "
+            f"(holdout = {holdout}): train needs prompts"
+        )
 
 
 class DomainTasks:
@@ -90,17 +120,20 @@ class DomainTasks:
         levels: tuple[int, ...] | None = None,
         num_records: int = 1_000_000,
         num_epochs: int | None = None,
-        holdout: float = 0.125,
+        holdout: float = HOLDOUT,
+        selection: float = SELECTION,
         split_on: SplitOn | None = None,
     ):
         if split not in SPLITS:
-            raise ValueError(f"split={split!r}; use 'train' or 'eval'")
-        if not 0 < holdout < 1:
-            raise ValueError(f"holdout={holdout} must be in (0, 1): both splits need prompts")
+            raise ValueError(f"split={split!r}; use one of {SPLITS}")
+        check_fractions(holdout, selection)
+        if split == "selection" and not selection:
+            raise ValueError(f"{domain}: a selection stream needs selection > 0 (rl.data.selection)")
         if env is not None and env_kwargs:
             raise ValueError(f"{domain}: give env or env_kwargs, not both (env_kwargs make the env)")
         self.domain, self.seed, self.split = domain, int(seed), split
-        self.holdout, self.split_on = holdout, split_on or DEFAULT_SPLIT_ON.get(domain, "prompt")
+        self.holdout, self.selection = holdout, selection
+        self.split_on = split_on or DEFAULT_SPLIT_ON.get(domain, "prompt")
         self.env = env if env is not None else registry.make(domain, **(env_kwargs or {}))
         self._owns_env = env is None
         # Split data (e.g. GSM8K train / test) is drawn from its own split, with no hash holdout.
@@ -125,24 +158,31 @@ class DomainTasks:
 
     def task_at(self, index: int) -> Task:
         """Record `index`: the first attempt whose task falls in this stream's split (split data: the
-        first attempt, drawn from the data's own split)."""
+        data's own split; its "train" holds the train and selection splits, told apart by the hash)."""
         record = ("record", self.domain, self.split, self.seed, int(index))
         levels = self.levels
         # The level is the record's, not the attempt's: redraws must not skew the mix of levels.
         level = self.difficulty if self.difficulty is not None else levels[_hash64(*record) % len(levels)]
+        modulus, offset = SEED_SPACE[self.split]
         for attempt in range(MAX_ATTEMPTS):
-            h = _hash64(*record, attempt)
-            env_seed = 2 * (h >> 1) + (self.split == "eval")  # disjoint seed spaces: even train, odd eval
+            env_seed = modulus * (_hash64(*record, attempt) // modulus) + offset  # disjoint seed spaces
             if self.data_split is not None:
-                return self.env.sample_tasks(seed=env_seed, n=1, difficulty=level, split=self.data_split)[0]
+                task = self.env.sample_tasks(seed=env_seed, n=1, difficulty=level, split=self.data_split)[0]
+                if self.split == "eval" or self._hash_split(task, holdout=0.0) == self.split:
+                    return task
+                continue
             task = self.env.sample_tasks(seed=env_seed, n=1, difficulty=level)[0]
-            if split_of(task, holdout=self.holdout, split_on=self.split_on) == self.split:
+            if self._hash_split(task, holdout=self.holdout) == self.split:
                 return task
         raise RuntimeError(
             f"{self.domain} ({self.split}, difficulty={self.difficulty}): no task of this split in "
-            f"{MAX_ATTEMPTS} draws; the domain's pool is too small for holdout={self.holdout} with "
-            f"split_on={self.split_on!r} (try split_on='task' or another holdout)"
+            f"{MAX_ATTEMPTS} draws; the domain's pool is too small for holdout={self.holdout}, "
+            f"selection={self.selection} with split_on={self.split_on!r} (try split_on='task' or other "
+            "fractions: rl.data.holdout, rl.data.selection)"
         )
+
+    def _hash_split(self, task: Task, *, holdout: float) -> Split:
+        return split_of(task, holdout=holdout, selection=self.selection, split_on=self.split_on)
 
     def __iter__(self) -> Iterator[Task]:
         return self._iterator
@@ -188,6 +228,7 @@ class DomainTasks:
             "seed": self.seed,
             "difficulty": self.difficulty,
             "holdout": self.holdout,
+            "selection": self.selection,
             "split_on": self.split_on,
         }
 
@@ -223,13 +264,18 @@ PROBE_TASKS = 16  # tasks per domain and level drawn at start to check that prom
 
 
 def check_domains(cfg: Any, tokenizer: Any) -> None:
-    """Before any work: every level in rl.levels exists in its domain, and some prompts of every domain fit
+    """Before any work: the split fractions (rl.data) leave every split prompts, every level in rl.levels
+    exists in its domain, and some prompts of every domain fit
     rl.max_prompt_len (formatted as the sampler sees them, rl.chat included). Raises ConfigError naming the
     field; a budget that fits none would otherwise fail at the first GRPO step, after the warm start."""
     from configs.schema import ConfigError
     from rl import rollout
 
     rl = cfg.rl
+    try:
+        split_kwargs(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     kwargs = env_kwargs(cfg)
     for d in rl.domains:
         env = registry.make(d, **kwargs[d])
@@ -250,35 +296,78 @@ def check_domains(cfg: Any, tokenizer: Any) -> None:
             )
 
 
-def heldout_tasks(cfg: Any, tokenizer: Any) -> dict[str, list[Task]]:
+def split_kwargs(cfg: Any) -> dict[str, float]:
+    """{"holdout", "selection"}: the split fractions of cfg.rl.data (defaults where a config has none), for
+    every stream of a run: `DomainTasks(..., **split_kwargs(cfg))`."""
+    block = cfg.rl.get("data", None) or {}
+    out = {
+        "holdout": float(block.get("holdout", HOLDOUT)),
+        "selection": float(block.get("selection", SELECTION)),
+    }
+    check_fractions(**out)
+    return out
+
+
+def domain_stream(
+    cfg: Any, domain: str, split: Split, options: Mapping[str, Any] | None = None
+) -> DomainTasks:
+    """The run's stream of `domain`'s `split`: seed rl.seed, levels rl.levels, fractions rl.data, options
+    `options` (the environment's keywords; default: rl.env's, `env_kwargs(cfg)`)."""
+    kwargs = options if options is not None else env_kwargs(cfg)[domain]
+    return DomainTasks(
+        domain,
+        seed=cfg.rl.seed,
+        split=split,
+        levels=domain_levels(cfg, domain),
+        env_kwargs=kwargs,
+        **split_kwargs(cfg),
+    )
+
+
+def heldout_tasks(cfg: Any, tokenizer: Any, *, n_tasks: int | None = None) -> dict[str, list[Task]]:
     """The held-out tasks of a run, shared by the trainer's evaluation and `python -m rl.evaluate`: per
-    domain of cfg.rl.domains, the first cfg.rl.eval.n_tasks distinct tasks (by id) of the domain's eval
-    stream (seed rl.seed, levels rl.levels, options rl.env) whose prompt fits rl.max_prompt_len.
+    domain of cfg.rl.domains, the first `n_tasks` (default cfg.rl.eval.n_tasks) tasks of distinct prompts of
+    the domain's eval stream (`domain_stream`) whose prompt fits rl.max_prompt_len. Distinct means distinct
+    split keys (`split_key`): prompts, or whole tasks where the domain splits on tasks.
 
     Raises ValueError when fewer fit in HELDOUT_DRAWS_PER_TASK * n_tasks draws."""
+    return _distinct_tasks(cfg, tokenizer, "eval", int(n_tasks or cfg.rl.eval.n_tasks), "rl.eval.n_tasks")
+
+
+def selection_tasks(cfg: Any, tokenizer: Any, *, n_tasks: int | None = None) -> dict[str, list[Task]]:
+    """The selection split's tasks, picked like `heldout_tasks` (distinct prompts that fit): what a recipe
+    search scores, so that the held-out split stays unseen by every choice."""
+    return _distinct_tasks(cfg, tokenizer, "selection", int(n_tasks or cfg.rl.eval.n_tasks), "n_tasks")
+
+
+def distinct_prompts(tasks: Sequence[Task]) -> int:
+    """The number of distinct prompts among `tasks`."""
+    return len({t.prompt for t in tasks})
+
+
+def _distinct_tasks(cfg: Any, tokenizer: Any, split: Split, n: int, field: str) -> dict[str, list[Task]]:
     rl = cfg.rl
-    n = int(rl.eval.n_tasks)
     kwargs = env_kwargs(cfg)
     out = {}
     for domain in rl.domains:
-        stream = DomainTasks(
-            domain, seed=rl.seed, split="eval", levels=domain_levels(cfg, domain), env_kwargs=kwargs[domain]
-        )
+        stream = domain_stream(cfg, domain, split, kwargs[domain])
         tasks: dict[str, Task] = {}
         try:
             for _ in range(HELDOUT_DRAWS_PER_TASK * n):
                 if len(tasks) == n:
                     break
                 task = stream.next_tasks(1)[0]
-                if task.id not in tasks and fits_prompt(task, tokenizer, cfg):
-                    tasks[task.id] = task
+                key = json.dumps(split_key(task, stream.split_on), sort_keys=True)
+                if key not in tasks and fits_prompt(task, tokenizer, cfg):
+                    tasks[key] = task
         finally:
             stream.close()
         if len(tasks) < n:
             raise ValueError(
-                f"{domain}: only {len(tasks)} distinct held-out tasks of rl.eval.n_tasks={n} have a prompt "
+                f"{domain}: only {len(tasks)} distinct {split} tasks of {field}={n} have a prompt "
                 f"that fits rl.max_prompt_len={rl.max_prompt_len} tokens (in {HELDOUT_DRAWS_PER_TASK * n} "
-                "draws); raise rl.max_prompt_len or lower rl.eval.n_tasks (or give more test data)"
+                f"draws); raise rl.max_prompt_len or lower {field} (or give more data, or a larger "
+                f"fraction: rl.data.{'holdout' if split == 'eval' else 'selection'})"
             )
         out[domain] = list(tasks.values())
     return out

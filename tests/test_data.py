@@ -51,24 +51,41 @@ def test_epochs_visit_every_record_once():
 
 
 @pytest.mark.parametrize("domain", sorted(SAMPLE))
-def test_train_and_eval_prompts_are_disjoint(domain):
+def test_train_selection_and_eval_prompts_are_disjoint(domain):
     n = SAMPLE[domain]
-    train = DomainTasks(domain, seed=0, split="train").next_tasks(n)
-    held_out = DomainTasks(domain, seed=0, split="eval").next_tasks(n)
-    assert not {t.prompt for t in train} & {t.prompt for t in held_out}
-    assert {split_of(t, holdout=0.125) for t in train} == {"train"}
-    assert {split_of(t, holdout=0.125) for t in held_out} == {"eval"}
+    prompts = {}
+    for split in data.SPLITS:
+        tasks = DomainTasks(domain, seed=0, split=split).next_tasks(n if split != "selection" else n // 2)
+        # The defaults: eval is the hash's [0, 1/8), selection [1/8, 1/4), train the rest.
+        assert {split_of(t, holdout=0.125, selection=0.125) for t in tasks} == {split}
+        prompts[split] = {t.prompt for t in tasks}
+    for a, b in (("train", "eval"), ("train", "selection"), ("selection", "eval")):
+        assert not prompts[a] & prompts[b], (a, b)
     # The split belongs to the prompt, not to the stream's seed: eval of another run seed is held out too.
     other = DomainTasks(domain, seed=1, split="eval").next_tasks(n // 4)
-    assert not {t.prompt for t in train} & {t.prompt for t in other}
+    assert not prompts["train"] & {t.prompt for t in other}
+
+
+def test_selection_zero_keeps_the_two_split_assignment():
+    # With no selection fraction a prompt's split is what the two-split scheme gave it: eval below holdout.
+    tasks = math_env.MathEnvironment().sample_tasks(5, 200)
+    u = lambda t: data._hash64("split", t.prompt) / 2.0**64
+    assert [split_of(t, holdout=0.3) for t in tasks] == ["eval" if u(t) < 0.3 else "train" for t in tasks]
+    with pytest.raises(ValueError, match="rl.data.selection"):
+        DomainTasks("math", seed=0, split="selection", selection=0.0)
+    with pytest.raises(ValueError, match="rl.data.selection"):
+        DomainTasks("math", seed=0, holdout=0.5, selection=0.5)
+    with pytest.raises(ValueError, match="rl.data.holdout"):
+        DomainTasks("math", seed=0, holdout=0.0)
 
 
 def test_disjoint_env_seeds():
-    # math task ids are "math/<env seed>/<index>/L<level>": train seeds are even, eval seeds odd.
-    train = DomainTasks("math", seed=0, split="train").next_tasks(50)
-    held_out = DomainTasks("math", seed=0, split="eval").next_tasks(50)
-    assert {int(t.id.split("/")[1]) % 2 for t in train} == {0}
-    assert {int(t.id.split("/")[1]) % 2 for t in held_out} == {1}
+    # math task ids are "math/<env seed>/<index>/L<level>": train seeds are even, eval seeds 1 mod 4,
+    # selection seeds 3 mod 4.
+    expected = {"train": {0, 2}, "eval": {1}, "selection": {3}}
+    for split in data.SPLITS:
+        tasks = DomainTasks("math", seed=0, split=split).next_tasks(50)
+        assert {int(t.id.split("/")[1]) % 4 for t in tasks} <= expected[split]
 
 
 def test_terminal_small_template_pool():
@@ -80,8 +97,10 @@ def test_terminal_small_template_pool():
     key = lambda t: json.dumps([t.prompt, t.metadata], sort_keys=True)
     assert not {key(t) for t in train} & {key(t) for t in held_out}
     assert {t.difficulty for t in train} == {t.difficulty for t in held_out} == {0, 1, 2, 3}
+    # (Two splits here, selection=0: with a selection eighth too, level 0's few templates all hash out of
+    # train, measured, which is the same price one level over.)
     strict = lambda split, level: DomainTasks(
-        "terminal", seed=0, split=split, split_on="prompt", difficulty=level
+        "terminal", seed=0, split=split, split_on="prompt", difficulty=level, selection=0.0
     ).next_tasks(50)
     for level in (0, 1):
         assert not {t.prompt for t in strict("train", level)} & {t.prompt for t in strict("eval", level)}
@@ -92,11 +111,11 @@ def test_terminal_small_template_pool():
 def test_single_prompt_pool_fails_loudly():
     # The debug domain has one prompt: it belongs to one split, and the other split cannot exist.
     splits = {s: DomainTasks("debug", seed=0, split=s, split_on="prompt") for s in data.SPLITS}
-    owner = split_of(splits["train"].env.sample_tasks(0, 1)[0], holdout=0.125)
+    owner = split_of(splits["train"].env.sample_tasks(0, 1)[0], holdout=0.125, selection=0.125)
     assert len(splits[owner].next_tasks(3)) == 3
-    empty = "eval" if owner == "train" else "train"
-    with pytest.raises(RuntimeError, match="pool is too small"):
-        splits[empty].next_tasks(1)
+    for empty in set(data.SPLITS) - {owner}:
+        with pytest.raises(RuntimeError, match="pool is too small"):
+            splits[empty].next_tasks(1)
 
 
 @pytest.mark.parametrize("level", [0, 3])
@@ -155,11 +174,16 @@ def _write_gsm8k(path, questions):
 
 @pytest.fixture
 def gsm8k_files(tmp_path):
-    train = [f"Train question {i}?" for i in range(6)]
+    train = [f"Train question {i}?" for i in range(16)]
     test = [f"Test question {i}?" for i in range(4)]
     kwargs = {"train_jsonl": _write_gsm8k(tmp_path / "train.jsonl", train)}
     kwargs["test_jsonl"] = _write_gsm8k(tmp_path / "test.jsonl", test)
-    return kwargs, {"train": set(train), "eval": set(test)}
+    # The data's train split holds the train and selection splits, told apart by the prompt hash alone.
+    env = math_env.MathEnvironment(**kwargs)
+    by_hash = {q: split_of(t, holdout=0.0, selection=0.125) for q, t in zip(train, env.split_tasks["train"])}
+    selection = {q for q, split in by_hash.items() if split == "selection"}
+    assert selection and selection != set(train)  # both non-empty for these 16 questions
+    return kwargs, {"train": set(train) - selection, "selection": selection, "eval": set(test)}
 
 
 def _question(task):
@@ -171,8 +195,8 @@ def test_split_data_streams_draw_from_their_own_file(gsm8k_files):
     for split in data.SPLITS:
         stream = DomainTasks("math", seed=0, split=split, env_kwargs=kwargs)
         assert stream.data_split == data.DATA_SPLIT[split]
-        # All of the split's records, and nothing else: no hash holdout inside split data.
-        assert {_question(t) for t in stream.next_tasks(80)} == questions[split]
+        # All of the split's records, and nothing else: no hash holdout inside split data's test split.
+        assert {_question(t) for t in stream.next_tasks(120)} == questions[split]
 
 
 def test_env_and_env_kwargs_are_exclusive(gsm8k_files):
@@ -189,7 +213,7 @@ def test_resume_under_other_data_is_refused(gsm8k_files, tmp_path):
     resumed = DomainTasks("math", seed=0, env_kwargs=dict(kwargs))
     resumed.set_state(state)
     assert _ids(resumed.next_tasks(5)) == expected
-    other = dict(kwargs, train_jsonl=_write_gsm8k(tmp_path / "other.jsonl", ["Another question?"] * 6))
+    other = dict(kwargs, train_jsonl=_write_gsm8k(tmp_path / "other.jsonl", ["Another question?"] * 16))
     with pytest.raises(ValueError, match="tasks differ"):
         DomainTasks("math", seed=0, env_kwargs=other).set_state(state)
     with pytest.raises(ValueError, match="tasks differ"):  # unsplit data is another stream too
@@ -253,3 +277,29 @@ def test_heldout_tasks_use_the_env_options(gsm8k_files):
     cfg.rl.eval.n_tasks = 5
     with pytest.raises(ValueError, match="only 4 distinct"):
         data.heldout_tasks(cfg, ByteTokenizer(256))
+
+
+def test_heldout_prompts_are_distinct_and_selection_is_apart():
+    from model.tokenizer import ByteTokenizer
+
+    # arith level 0 has 10 * 10 * 2 = 200 expressions (fewer prompts: a - b with a < b is swapped), so 40
+    # draws of its eval stream repeat prompts; the held-out tasks keep each prompt once.
+    tokenizer = ByteTokenizer(256)
+    cfg = _cfg(domains=("arith",), levels={"arith": (0,)}, max_prompt_len=16)
+    cfg.rl.eval.n_tasks = 12
+    drawn = DomainTasks("arith", seed=0, split="eval", difficulty=0).next_tasks(60)
+    assert data.distinct_prompts(drawn) < len(drawn)  # the stream itself repeats prompts
+    heldout = data.heldout_tasks(cfg, tokenizer)["arith"]
+    assert len(heldout) == data.distinct_prompts(heldout) == 12
+    selection = data.selection_tasks(cfg, tokenizer)["arith"]
+    assert len(selection) == data.distinct_prompts(selection) == 12
+    assert not {t.prompt for t in heldout} & {t.prompt for t in selection}
+    assert {split_of(t, holdout=0.125, selection=0.125) for t in selection} == {"selection"}
+    # The fractions come from rl.data; bad ones are refused naming the field.
+    cfg.rl.data = {"holdout": 0.25, "selection": 0.25}
+    assert {
+        split_of(t, holdout=0.25, selection=0.25) for t in data.selection_tasks(cfg, tokenizer)["arith"]
+    } == {"selection"}
+    cfg.rl.data = {"holdout": 0.5, "selection": 0.5}
+    with pytest.raises(ValueError, match="rl.data.selection"):
+        data.heldout_tasks(cfg, tokenizer)
