@@ -133,10 +133,10 @@ def env():
 def test_same_seed_same_tasks(env):
     assert env.sample_tasks(7, 20) == env.sample_tasks(7, 20)
     assert env.sample_tasks(7, 20) != env.sample_tasks(8, 20)
-    assert {t.difficulty for t in env.sample_tasks(7, 40)} == {0, 1, 2, 3}
+    assert {t.difficulty for t in env.sample_tasks(7, 60)} == {-1, 0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("level", [0, 1, 2, 3])
+@pytest.mark.parametrize("level", [-1, 0, 1, 2, 3])
 def test_every_level_is_solvable_and_strict(env, level):
     tasks = env.sample_tasks(11, 50, difficulty=level)
     assert all(t.difficulty == level for t in tasks)
@@ -163,6 +163,29 @@ def test_level_contents(env):
     assert kinds[2] >= {"shopping", "travel", "ages", "wages"}
     assert kinds[3] == {"fraction_expression", "chain", "fraction_word"}
     assert all("(" in t.prompt for t in env.sample_tasks(3, 20, difficulty=1))
+
+
+def test_easiest_level(env):
+    # Level -1: "Compute a + b." / "Compute a - b." with a in 10..99, b in 1..9, through the level's prompt
+    # format (question, blank line, the shared instruction); its reference is the boxed answer alone.
+    tasks = env.sample_tasks(5, 400, difficulty=-1)
+    seen = set()
+    for task in tasks:
+        question, instruction = task.prompt.split("\n\n")
+        assert instruction == (
+            "Show your work, then give the final answer as a single number in \\boxed{} (write fractions "
+            "as a/b)."
+        )
+        a, op, b = question.removeprefix("Compute ").removesuffix(".").split(" ")
+        assert 10 <= int(a) <= 99 and 1 <= int(b) <= 9 and op in "+-"
+        expected = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert task_answer(task) == expected
+        assert env.reference_solution(task) == f"\\boxed{{{expected}}}"
+        assert env.score(task, f"The answer is {expected}.").reward == 1.0
+        assert env.score(task, str(expected - 1)).status == "wrong"
+        seen.add((a, op, b))
+    assert len(seen) > 300  # of 90 * 2 * 9 = 1620 prompts: a pool for three splits
+    assert {t.metadata["kind"] for t in tasks} == {"small_add_sub"}
 
 
 def test_episode_interface(env):

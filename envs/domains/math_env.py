@@ -2,6 +2,9 @@
 
 Difficulty levels of the procedural tasks (all exact; answers are `Fraction`s):
 
+- -1: a two-digit number plus or minus a single digit ("Compute 47 + 8."), the easiest mission level: a
+  toy model learns it in minutes (`make demo`). One operation is its own work, so the reference solution is
+  the boxed answer alone (`\\boxed{55}`), a dozen tokens;
 - 0: one operation on two integers (`+ - * /`, divisions exact, the odd negative operand);
 - 1: integer expressions of 3-5 operands with parentheses, evaluated step by step;
 - 2: word problems of several steps: prices and change, discounts and tax, speeds and durations, ages,
@@ -150,6 +153,13 @@ def two_operand(rng: random.Random) -> Problem:
     if op in "+-" and rng.random() < 0.2:
         a = -a
     return _expression_problem((op, Fraction(a), Fraction(b)), "two_operand")
+
+
+def small_add_sub(rng: random.Random) -> Problem:
+    """Level -1: 10..99 plus or minus 1..9 (answers 1..108); no steps (the one operation is the answer)."""
+    a, op, b = rng.randint(10, 99), rng.choice("+-"), rng.randint(1, 9)
+    problem = _expression_problem((op, Fraction(a), Fraction(b)), "small_add_sub")
+    return dataclasses.replace(problem, steps=())
 
 
 def parenthesised(rng: random.Random) -> Problem:
@@ -339,6 +349,7 @@ def fraction_word(rng: random.Random) -> Problem:
 
 
 GENERATORS: dict[int, tuple[Callable[[random.Random], Problem], ...]] = {
+    -1: (small_add_sub,),
     0: (two_operand,),
     1: (parenthesised,),
     2: (shopping, discount, travel, ages, flour, wages, tank),
@@ -427,12 +438,12 @@ DATA_SPLITS = ("train", "test")
 
 
 class MathEnvironment(SingleTurnEnvironment):
-    """Procedural math tasks (levels 0-3); or data tasks, unsplit (`tasks`, `jsonl_path`) or kept in their
+    """Procedural math tasks (levels -1 to 3); or data tasks, unsplit (`tasks`, `jsonl_path`) or kept in their
     train and test splits (`train_jsonl`, `test_jsonl`, `tfds_name` + `tfds_data_dir`); see the module
     docstring. Split sources may be combined (each split is the concatenation of its sources)."""
 
     name = "math"
-    levels = (0, 1, 2, 3)
+    levels = (-1, 0, 1, 2, 3)
     data_splits: tuple[str, ...] = ()  # ("train", "test") when the data comes split
 
     def __init__(
@@ -508,8 +519,10 @@ class MathEnvironment(SingleTurnEnvironment):
         return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
 
     def reference_solution(self, task: Task) -> str:
+        """The worked steps and the boxed answer; a task without steps (level -1): the boxed answer."""
+        boxed = f"\\boxed{{{answers.format_number(task_answer(task))}}}"
         steps = "\n".join(task.metadata.get("steps", []))
-        return f"{steps}\n\nThe final answer is \\boxed{{{answers.format_number(task_answer(task))}}}."
+        return f"{steps}\n\nThe final answer is {boxed}." if steps else boxed
 
     def score(self, task: Task, completion: str) -> Score:
         expected = task_answer(task)
