@@ -184,9 +184,7 @@ def train_step_memory(cfg: ConfigDict, mesh_shape: Mapping[str, int], batch: int
     rules = tuple(cfg.mesh.rules)
     graphdef, state = _abstract_state(cfg)
     batch_in = abstract_batch(cfg, batch, seq_len)
-    batch_shardings = {
-        k: NamedSharding(mesh, sharding.mesh_spec(train_step.BATCH_AXES[k], rules, mesh)) for k in batch_in
-    }
+    batch_shardings = train_step.batch_shardings(cfg, tuple(batch_in), mesh, batch)
     state_shardings = _state_shardings(state, mesh, rules)
     # The step without a mesh is the pure jitted step; jitting it again with the mesh's shardings
     # gives the program the trainer runs on that mesh (its memory_analysis is identical).
