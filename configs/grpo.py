@@ -155,6 +155,18 @@ def _rl_table() -> dict:
             "delta weight sync: push only parameters whose largest change since last pushed exceeds this "
             "(0: every changed one); negative: push all",
         ),
+        # --- where the engine runs, and how the weights reach it
+        "sampler_devices": Int(
+            0,
+            "devices of each process kept for the engine (disaggregated: the trainer's mesh takes the rest); "
+            "0: the engine shares the trainer's devices (colocated)",
+            lo=0,
+        ),
+        "weight_sync_delta": Float(
+            -1.0,
+            "delta weight sync: push only parameters whose largest change since last pushed exceeds this "
+            "(0: every changed one); negative: push all",
+        ),
         # --- async pipeline, checkpoints, logs
         "async_rollout": Bool(False, "overlap sampling with training (bounded staleness)"),
         "max_staleness": Int(1, "policy versions a batch may lag the trainer (async); 0: on-policy", lo=0),

@@ -186,13 +186,61 @@ def _replicate(sharding):
     return fn
 
 
+def sampler_devices(cfg) -> list:
+    """This process's devices kept for the engine (`rl.sampler_devices`, its last local ones), or []."""
+    import jax
+
+    n = int(cfg.rl.sampler_devices)
+    local = jax.local_devices()
+    if n >= len(local):
+        raise ValueError(
+            f"rl.sampler_devices={n} leaves the trainer none of this process's {len(local)} devices; "
+            f"use at most {len(local) - 1} (0: the engine shares the trainer's devices)"
+        )
+    return local[len(local) - n :] if n else []
+
+
 def trainer_mesh(cfg):
-    """The trainer's mesh from `cfg.mesh` over every device of every process (one device: a mesh of 1)."""
+    """The trainer's mesh from `cfg.mesh` over every device of every process but the engines' (one device:
+    a mesh of 1)."""
     import jax
 
     from model.sharding import make_mesh
 
-    return make_mesh(cfg.mesh.shape, jax.devices())
+    n = len(sampler_devices(cfg))  # every process keeps its last n local devices for its engine
+    kept = (
+        {d.id for p in range(jax.process_count()) for d in _local_of(p)[len(_local_of(p)) - n :]}
+        if n
+        else set()
+    )
+    return make_mesh(cfg.mesh.shape, [d for d in jax.devices() if d.id not in kept])
+
+
+def _local_of(process_index: int) -> list:
+    import jax
+
+    return [d for d in jax.devices() if d.process_index == process_index]
+
+
+def sampler_mesh(cfg, trainer):
+    """The engine's mesh: this process's sampler devices (`rl.sampler_devices`), else its devices of the
+    trainer's mesh; experts and tensor split as in `cfg.mesh.shape` where those sizes divide the devices,
+    the rest data-parallel replicas."""
+    from model.sharding import make_mesh
+
+    devices = sampler_devices(cfg) or list(trainer.local_devices)
+    n = len(devices)
+    shape = {"data": -1}
+    for axis in ("expert", "tensor"):
+        size = int(trainer.shape[axis])
+        if size > 1:
+            if (n // shape.get("expert", 1)) % size:
+                raise ValueError(
+                    f"mesh.shape.{axis}={size} does not divide the engine's {n} devices of this process "
+                    f"(rl.sampler_devices={cfg.rl.sampler_devices}); pick sizes that divide them"
+                )
+            shape[axis] = size
+    return make_mesh(shape, devices)
 
 
 class TaskShard:

@@ -169,12 +169,20 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         from inference import Engine
 
         engine_cfg = validate.engine_config(cfg)
-        sampler_weights = lambda s: distributed.local_copy(train_step.weights(s), mesh)  # noqa: E731
+        # One process: the trainer's arrays as they are (the engine moves them); several: each its own copy.
+        sampler_weights = lambda s: (  # noqa: E731
+            train_step.weights(s) if processes == 1 else distributed.local_copy(train_step.weights(s), mesh)
+        )
         engine = Engine(
-            cfg, sampler_weights(state), engine_cfg, draft=_drafter(rl.engine, draft_cfg, draft_state, mesh)
+            cfg,
+            sampler_weights(state),
+            engine_cfg,
+            draft=_drafter(rl.engine, draft_cfg, draft_state, sampler_weights),
+            mesh=distributed.sampler_mesh(cfg, mesh),
         )
         engine.version = version
         engine.warmup()
+        push_weights = _weight_sync(cfg, engine, mesh, processes)
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
         distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def, mesh=mesh)
 
@@ -273,7 +281,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     batch = distributed.global_batch(item.batch, shardings, row_axis)
                     state, update_metrics = update(state, batch, ref_params=ref_params)
                     step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
-                    engine.update_params(sampler_weights(state))  # with the selection biases
+                    step_metrics.update(push_weights(train_step.weights(state)))  # with the selection biases
                     if distill is not None:
                         draft_batch = {k: batch[k] for k in train_step.SFT_KEYS}
                         for _ in range(rl.draft_train_steps):
@@ -528,9 +536,8 @@ def unpack(tree):
     return tree["train"], tree.get("reference"), tree.get("draft")
 
 
-def _drafter(engine_cfg, draft_cfg, draft_state, mesh):
+def _drafter(engine_cfg, draft_cfg, draft_state, sampler_weights):
     from inference import GroupDrafter, ModelDrafter, MTPDrafter, NgramDrafter
-    from rl import distributed, train_step
 
     kind = engine_cfg.draft
     if kind == "mtp":
@@ -540,8 +547,38 @@ def _drafter(engine_cfg, draft_cfg, draft_state, mesh):
     if kind == "group":
         return GroupDrafter(engine_cfg.draft_ngram)
     if kind == "model":
-        return ModelDrafter(draft_cfg, distributed.local_copy(train_step.weights(draft_state), mesh))
+        return ModelDrafter(draft_cfg, sampler_weights(draft_state))
     return None
+
+
+def _weight_sync(cfg, engine, mesh, processes: int):
+    """`push(weights) -> metrics`: the trainer's weights to the engine after each update. One process: the
+    engine is on the trainer's devices (colocated: one jitted reshard to the inference layout) or on its own
+    (rl.sampler_devices: disaggregated, device to device), every leaf or, with rl.weight_sync_delta >= 0, the
+    changed ones (`inference.WeightSync`). Across processes each process's engine takes its own full copy
+    (`rl.distributed.local_copy`)."""
+    import time
+
+    from inference.weight_sync import WeightSync
+    from rl import distributed
+
+    rl = cfg.rl
+    if processes > 1:
+
+        def push_local(weights) -> dict:
+            t0 = time.perf_counter()
+            before = engine.stats().get("weight_bytes", 0)
+            engine.update_params(distributed.local_copy(weights, mesh))
+            return {
+                "sync/seconds": time.perf_counter() - t0,
+                "sync/bytes": float(engine.stats().get("weight_bytes", 0) - before),
+            }
+
+        return push_local
+    mode = "disaggregated" if rl.sampler_devices else "colocated"
+    delta = float(rl.weight_sync_delta) if rl.weight_sync_delta >= 0 else None
+    sync = WeightSync(engine, mode, delta_threshold=delta)
+    return lambda weights: {k: float(v) for k, v in sync.push(weights).items()}
 
 
 def _global_draws(drawn: dict, domains: Sequence[str]) -> dict:

@@ -172,6 +172,12 @@ def check_mesh(cfg: ml_collections.ConfigDict, processes: int, *, batch_shards: 
             "with the trainer's); set rl.async_rollout=False for a multi-process run",
         )
         _check(
+            rl.weight_sync_delta < 0,
+            "weight_sync_delta",
+            rl.weight_sync_delta,
+            "(delta weight sync) works within one process only; set it negative for a multi-process run",
+        )
+        _check(
             rl.advantage_std != "batch",
             "advantage_std",
             rl.advantage_std,

@@ -69,6 +69,24 @@ def test_ppo_epochs_kl_top_k_and_env_kwargs(tmp_path):
     assert episodes and all(e["metadata"]["delay_s"] > 0 for e in episodes)
 
 
+def test_disaggregated_sampler_with_delta_weight_sync(tmp_path):
+    """rl.sampler_devices=4: the trainer's mesh takes 4 of the 8 fake devices, the engine the other 4; the
+    weights go device to device after every update, only the changed leaves (weight_sync_delta=0)."""
+    from rl import train
+
+    cfg = _cfg(sampler_devices=4, weight_sync_delta=0.0)
+    out = train.train(cfg, str(tmp_path), run_eval=False)
+    assert out["steps"] == 3 and out["engine"]["compiles_after_warmup"] == 0
+    steps = [r for r in _steps(tmp_path) if r["train/loss"] is not None]
+    assert steps
+    for r in steps:
+        # Every trained leaf changed (AdamW moves every parameter), so every leaf was sent, across devices.
+        assert r["sync/leaves_sent"] == r["sync/leaves"] > 0 and r["sync/bytes"] > 0
+        assert r["sync/max_unsent_change"] == 0.0
+        # The engine samples with exactly the trainer's weights: the log-probs agree to f32 rounding.
+        assert abs(r["train/mismatch_kl"]) < 1e-5, r["train/mismatch_kl"]
+
+
 def test_routing_replay_with_group_drafter(tmp_path):
     from rl import train
 
