@@ -127,11 +127,15 @@ def evaluate(
     sampling: Any,
     max_turns: int = 1,
     chat: bool = False,
+    greedy: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """{domain: summary} for `k` samples of every task (`sampling.n` is replaced by k); domain by domain,
-    so each domain's cost (wall time, prefix-cache hit rate) is its own."""
+    so each domain's cost (wall time, prefix-cache hit rate) is its own. `greedy`: one greedy completion
+    per task instead (temperature 0, k = 1), so pass@1 is the greedy accuracy."""
     from rl import rollout as rollout_lib
 
+    if greedy:
+        k, sampling = 1, dataclasses.replace(sampling, temperature=0.0)
     results = {}
     for domain, tasks in tasks_by_domain.items():
         if not tasks:
@@ -196,6 +200,36 @@ def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
         for row in rows
     ]
     return "\n".join(lines)
+
+
+def format_before_after(
+    before: Mapping[str, Mapping[str, Any]],
+    after: Mapping[str, Mapping[str, Any]],
+    greedy_before: Mapping[str, Mapping[str, Any]] | None = None,
+    greedy_after: Mapping[str, Mapping[str, Any]] | None = None,
+) -> str:
+    """The before/after table of held-out accuracy, one row per domain of `after`: distinct held-out prompts,
+    greedy accuracy (`evaluate(..., greedy=True)`; "-" when not given), pass@1 and pass@k of the sampled
+    evaluation before and after, and the pass@1 gain in points."""
+    k = {row["k"] for row in after.values()}
+    pass_k = f"pass@{k.pop()}" if len(k) == 1 else "pass@k"
+    header = ["domain", "prompts", "greedy before", "greedy after", "pass@1 before", "pass@1 after", "gain"]
+    header += [f"{pass_k} before", f"{pass_k} after"]
+    value = lambda table, d, key: "-" if table is None or d not in table else f"{table[d][key]:.3f}"
+    rows = [header]
+    for d in sorted(after):
+        a, b = after[d], before.get(d)
+        gain = "-" if b is None else f"{100 * (a['pass@1'] - b['pass@1']):+.1f}"
+        rows.append(
+            [d, str(a["tasks"]), value(greedy_before, d, "pass@1"), value(greedy_after, d, "pass@1")]
+            + [value(before, d, "pass@1"), value(after, d, "pass@1"), gain]
+            + [value(before, d, "pass@k"), value(after, d, "pass@k")]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
