@@ -1,19 +1,24 @@
 """python benchmarks/demo_recipe.py
 
-The `make demo` recipe on a CPU: a toy MoE model (~0.66M parameters) learns two toy domains, `arith`
-(level 2: "47+8=") and `strings` (levels 2-3: "rev kqbdx=", "sort kqbdxa="), by a supervised warm start
-and then GRPO with the decoding engine. Held-out pass@1 per domain (temperature 1 and greedy; pass@8 after
-each phase) is printed to stderr as it goes, and one JSON line at the end (arguments, pass rates, wall time
-per phase). The defaults are the recipe.
+The `make demo` recipe on a CPU, as a fast stand-alone loop for choosing it: a toy MoE model (~0.66M
+parameters) learns the mission domain `math` at its easiest level (-1: "Compute 47 + 8." with the domain's
+full instruction, answered in \\boxed{}; scored by its answer parser) by a supervised warm start and then
+GRPO with the decoding engine. Pass@1 per domain (temperature 1 and greedy; pass@8 after each phase) on the
+SELECTION split is printed to stderr as it goes, and one JSON line at the end (arguments, pass rates, wall
+time per phase). The defaults are the recipe of `configs/grpo.py:demo`. `--domains` takes any registry
+domains with levels ("math:-1;strings:2,3").
 
-Held-out tasks are the prompt-hash eval split (`rl.data.split_of`): no eval prompt is ever trained on, in
-either phase.
+Splits (`rl.data`): the loop trains on the train stream (`DomainTasks(split="train")`, as the trainer does)
+and scores the first `--eval_n` distinct prompts of the selection split. The held-out (eval) split is never
+read here: every choice of recipe made with this script is made without it, and `make demo` reports it.
 
 The warm start imitates a noisy teacher: a fraction `--sft_noise` of the demonstrations has one character of
 the answer wrong (`corrupt`). The model then knows the skill (its greedy answer is mostly right) but samples
 the wrong near-misses it was shown, so pass@1 at temperature 1 sits well below greedy and pass@8: the gap
-GRPO turns into pass@1. With clean demonstrations the short warm start leaves confidently wrong answers
-(all samples agree), which GRPO at this budget barely moves (see the report in the commit history).
+GRPO turns into pass@1. The greedy numbers show how much of the "before" gap is the noise (sharpening) and
+how much the model could not do greedily either. With clean demonstrations the short warm start leaves
+confidently wrong answers (all samples agree), which GRPO at this budget barely moves (see the report in the
+commit history).
 
 Dimension key: B rows, T token positions.
 """
@@ -38,9 +43,9 @@ from configs import grpo as grpo_config  # noqa: E402
 from envs import registry  # noqa: E402
 from inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from model.tokenizer import ByteTokenizer  # noqa: E402
-from rl import grpo  # noqa: E402
+from rl import grpo, rollout  # noqa: E402
 from rl import train_step as ts  # noqa: E402
-from rl.data import split_of  # noqa: E402
+from rl.data import HOLDOUT, SELECTION, DomainTasks  # noqa: E402
 from rl.sft import corrupt  # noqa: E402
 
 TOK = ByteTokenizer(256)
@@ -53,14 +58,17 @@ def log(msg: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[2])
-    p.add_argument("--domains", default="arith:2;strings:2,3", help="domain:levels;...")
+    p.add_argument("--domains", default="math:-1", help="domain:levels;...")
     p.add_argument("--d_model", type=int, default=128)
     p.add_argument("--num_layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=20)
-    p.add_argument("--holdout", type=float, default=0.1)
-    p.add_argument("--sft_steps", type=int, default=1500)
-    p.add_argument("--sft_batch", type=int, default=64)
+    p.add_argument(
+        "--seq_len", type=int, default=132, help="prompt + completion tokens (max_prompt_len + 12)"
+    )
+    p.add_argument("--holdout", type=float, default=HOLDOUT, help="rl.data.holdout (never scored here)")
+    p.add_argument("--selection", type=float, default=SELECTION, help="rl.data.selection")
+    p.add_argument("--sft_steps", type=int, default=800)
+    p.add_argument("--sft_batch", type=int, default=32)
     p.add_argument("--sft_lr", type=float, default=3e-3)
     p.add_argument(
         "--sft_noise",
@@ -70,25 +78,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sft_mix",
-        default="48,16",
+        default="",
         help="rows of each SFT batch per domain, in --domains order (empty: equal)",
     )
     p.add_argument(
         "--sft_cache", default="", help="experiments: load the SFT params from / save them to here"
     )
     p.add_argument("--sft_eval_every", type=int, default=0, help="0: evaluate only after SFT")
-    p.add_argument("--grpo_steps", type=int, default=300)
-    p.add_argument("--prompts_per_step", type=int, default=16)
+    p.add_argument("--grpo_steps", type=int, default=150)
+    p.add_argument("--prompts_per_step", type=int, default=8)
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument("--grpo_lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--grpo_warmup", type=int, default=30)
+    p.add_argument("--grpo_warmup", type=int, default=15)
     p.add_argument("--grpo_b2", type=float, default=0.999)
     p.add_argument("--advantage_std", default="group", help="group | batch | none (Dr. GRPO)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max_new_tokens", type=int, default=8)
-    p.add_argument("--eval_n", type=int, default=200, help="held-out tasks per domain")
-    p.add_argument("--eval_every", type=int, default=50, help="GRPO steps between held-out evals (0: end)")
+    p.add_argument("--max_new_tokens", type=int, default=12)
+    p.add_argument("--eval_n", type=int, default=150, help="selection-split prompts per domain")
+    p.add_argument("--eval_every", type=int, default=50, help="GRPO steps between selection-split evals (0: end)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -118,31 +126,35 @@ def make_config(args, *, lr: float, total_steps: int, warmup: int = 0, b2: float
 
 
 class Domain:
-    """One environment's train and held-out task pools (prompt-hash split, disjoint by construction)."""
+    """One environment's train stream and selection prompts (`rl.data` splits, disjoint by construction)."""
 
-    def __init__(self, spec: str, holdout: float, seed: int):
+    def __init__(self, spec: str, args):
         name, _, levels = spec.partition(":")
         self.name, self.env = name, registry.make(name)
-        self.levels = [int(x) for x in levels.split(",")] if levels else list(self.env.levels)
-        self.holdout, self.seed = holdout, seed
-        self._draw = 0
-
-    def _tasks(self, split: str, n: int, seed: int):
-        out, batch = [], 0
-        while len(out) < n:  # every level in equal parts
-            for level in self.levels:
-                tasks = self.env.sample_tasks(seed * 1000 + batch, 32, difficulty=level)
-                out += [t for t in tasks if split_of(t, holdout=self.holdout) == split]
-            batch += 1
-        rng = np.random.default_rng(seed)
-        return [out[i] for i in rng.permutation(len(out))[:n]]
+        self.levels = tuple(int(x) for x in levels.split(",")) if levels else None
+        self._splits = dict(holdout=args.holdout, selection=args.selection)
+        self.seed = args.seed
+        self._train = DomainTasks(name, seed=args.seed, split="train", levels=self.levels, **self._splits)
 
     def train(self, n: int):
-        self._draw += 1
-        return self._tasks("train", n, 10_000 + self.seed * 100_000 + self._draw)
+        return self._train.next_tasks(n)
 
-    def eval(self, n: int):
-        return self._tasks("eval", n, 1)
+    def selection(self, n: int):
+        """The first `n` distinct prompts of the selection stream (as `rl.data.selection_tasks` picks)."""
+        stream = DomainTasks(self.name, seed=self.seed, split="selection", levels=self.levels, **self._splits)
+        tasks: dict[str, object] = {}
+        for _ in range(64 * n):
+            if len(tasks) == n:
+                break
+            task = stream.next_tasks(1)[0]
+            tasks.setdefault(task.prompt, task)
+        if len(tasks) < n:
+            raise ValueError(f"{self.name}: only {len(tasks)} distinct selection prompts; lower --eval_n")
+        return list(tasks.values())
+
+
+def encode(task) -> list[int]:
+    return rollout.format_prompt(task, TOK, chat=False)  # as the trainer's sampler sees it
 
 
 # --- Batches ------------------------------------------------------------------------------------------------
@@ -187,7 +199,7 @@ def evaluate(engine, domains, eval_sets, *, temperature: float, n: int, max_new:
         sp = SamplingParams(
             temperature=temperature, max_new_tokens=max_new, n=n, seed=seed, stop_tokens=(EOS,)
         )
-        comps = engine.generate([TOK.encode(t.prompt) for t in tasks], sp)
+        comps = engine.generate([encode(t) for t in tasks], sp)
         r = np.array([d.env.score(tasks[i // n], text_of(c.tokens)).reward for i, c in enumerate(comps)])
         r = r.reshape(len(tasks), n)
         out[d.name] = {"pass@1": float(r.mean()), f"pass@{n}": float(r.max(axis=1).mean())}
@@ -227,8 +239,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     times = {}
-    domains = [Domain(s, args.holdout, args.seed) for s in args.domains.split(";")]
-    eval_sets = {d.name: d.eval(args.eval_n) for d in domains}
+    domains = [Domain(s, args) for s in args.domains.split(";")]
+    eval_sets = {d.name: d.selection(args.eval_n) for d in domains}
     T = args.seq_len
 
     # Set up model, steps and engine (compiles)
@@ -239,10 +251,10 @@ def main(argv=None) -> dict:
     sft_step = ts.make_sft_step(sft_cfg, model_def)
     ecfg = EngineConfig(
         max_batch=args.prompts_per_step * args.group_size,
-        max_seq_len=32,
+        max_seq_len=-(-T // 16) * 16,
         page_size=16,
-        prefill_chunk=16,
-        prefill_batch=16,
+        prefill_chunk=128,
+        prefill_batch=8,
         min_bucket=16,
         prefix_cache_pages=0,
     )
@@ -275,7 +287,7 @@ def main(argv=None) -> dict:
                 answer = d.env.reference_solution(t)
                 if noise_rng.random() < args.sft_noise:
                     answer = corrupt(answer, noise_rng)
-                prompts.append(TOK.encode(t.prompt))
+                prompts.append(encode(t))
                 comps.append(TOK.encode(answer) + [EOS])
         state, metrics = sft_step(state, rows_to_batch(prompts, comps, T))
         if step == 0:
@@ -315,7 +327,7 @@ def main(argv=None) -> dict:
             for t in d.train(per_domain):
                 tasks.append(t)
                 envs_of.append(d.env)
-        prompts = [TOK.encode(t.prompt) for t in tasks]
+        prompts = [encode(t) for t in tasks]
         comps = engine.generate(prompts, SamplingParams(**sp_train, seed=1000 + step, stop_tokens=(EOS,)))
         g = args.group_size
         rewards = np.array(
