@@ -19,6 +19,10 @@ Dispatch:
 - capacity: per sequence, each expert gets C = ceil(capacity_factor * T * k / E) slots; assignments past
   C (in token order) are dropped and counted. The buffer is expert-major, [E, B * C, D], so each expert
   is one plain matmul over all its rows. With C >= T nothing drops and the output equals ragged.
+- expert parallel (`moe.expert_parallel`, experts sharded over a mesh axis): either of the above as a
+  `jax.shard_map` with an all-to-all of the routed tokens (model/moe_parallel.py); the same outputs.
+- small-token gather (`moe.gather_max_tokens`, decode-size batches, experts not sharded): each token
+  gathers its top-k experts' weights, no sort (`moe_dispatch.gathered_swiglu`); the same outputs.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from model.moe_dispatch import (
 )
 
 EXPERT_ROWS = ("act_exp", "act_tokens", None)  # capacity buffer [E, B * C, D]
-# Default of `model.moe.gather_max_tokens` until configs/base.py carries the field.
+# Default of `model.moe.gather_max_tokens` until configs/base.py carries the field (0: never gather;
+# -1: while B * T * top_k <= num_experts, so the gather reads no more expert weights than the dispatch).
 GATHER_MAX_TOKENS = 0
 
 
@@ -216,7 +221,8 @@ class MoEBlock(nnx.Module):
     def _routed(self, x_BTD, idx_Tk, w_Tk, gate, up, down) -> tuple[jax.Array, jax.Array]:
         """The routed experts' output [B, T, D] and the dropped assignment count, by one of: the
         expert-parallel shard_map (experts sharded, `moe_parallel.layout`), the small-token gather
-        (B * T <= `gather_max_tokens`, experts not sharded), ragged, or capacity."""
+        (experts not sharded and B * T <= `gather_max_tokens`, or with -1 B * T * k <= E), ragged, or
+        capacity. The token count is static, so the choice is made at trace time."""
         e, rules = self.moe, self.rules
         b, t, d = x_BTD.shape
         n, k = e.num_experts, e.top_k
@@ -236,7 +242,12 @@ class MoEBlock(nnx.Module):
             y_BTD = moe_parallel.dispatch(x_BTD, split(idx_Tk), split(w_Tk), kept_BTk, gate, up, down, layout)
             return y_BTD, jnp.sum(1.0 - kept_BA.astype(jnp.float32))
         gather_max = getattr(e, "gather_max_tokens", GATHER_MAX_TOKENS)
-        small = b * t <= gather_max and (cap is None or cap >= t)  # cap >= t: nothing can drop
+        if gather_max < -1:
+            raise ValueError(
+                f"model.moe.gather_max_tokens={gather_max}; use -1 (auto), 0 (never) or a token count"
+            )
+        small = b * t * k <= n if gather_max == -1 else b * t <= gather_max
+        small = small and (cap is None or cap >= t)  # cap >= t: nothing can drop
         if small and not moe_parallel.experts_sharded(rules, sizes):
             y_TD = gathered_swiglu(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
             return y_TD.reshape(b, t, d), none_dropped

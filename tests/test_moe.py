@@ -262,20 +262,39 @@ def test_gathered_path_equals_dispatch_and_reference(t, k, e):
     chex.assert_trees_all_close(g, g_disp, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("impl,factor", [("ragged", 1.25), ("capacity", 2.0), ("capacity", 1.0)])
-def test_block_takes_the_small_token_path_below_the_threshold(impl, factor):
+@pytest.mark.parametrize(
+    "impl,factor,threshold,gathers",
+    [
+        ("ragged", 1.25, 16, True),
+        # capacity gathers only where nothing can drop, C = ceil(factor * T * k / E) >= T: factor 2.0
+        # gives C = 8 = T; factor 1.0 gives C = 4 < T and keeps the capacity dispatch.
+        ("capacity", 2.0, 16, True),
+        ("capacity", 1.0, 16, False),
+        ("ragged", 1.25, 15, False),  # 16 tokens, one past the threshold
+        ("ragged", 1.25, -1, False),  # auto: B * T * k = 32 > E = 4
+    ],
+)
+def test_block_takes_the_small_token_path_below_the_threshold(impl, factor, threshold, gathers):
     """B * T <= moe.gather_max_tokens runs the gather (no sort in the program) with the dispatch's output
-    and gradients; capacity takes it only where nothing can drop (C = ceil(factor * T * k / E) >= T:
-    factor 2.0 gives C = 8 = T, factor 1.0 gives C = 4 < T, which keeps the capacity dispatch)."""
+    and gradients."""
     x = _x(b=2, t=8)
-    small, _ = _block(impl, capacity_factor=factor, gather_max_tokens=16)
+    small, _ = _block(impl, capacity_factor=factor, gather_max_tokens=threshold)
     dispatch, _ = _block(impl, capacity_factor=factor, gather_max_tokens=0)
-    sorts = lambda blk: re.search(r"\bsort\[", str(jax.make_jaxpr(lambda x: blk(x)[0])(x))) is not None
-    takes_gather = impl == "ragged" or factor == 2.0
-    assert sorts(small) != takes_gather
-    assert sorts(dispatch)
+    sorts = lambda blk, x: re.search(r"\bsort\[", str(jax.make_jaxpr(lambda x: blk(x)[0])(x))) is not None
+    assert sorts(small, x) != gathers
+    assert sorts(dispatch, x)
+    if threshold == -1:  # auto: one token, k = 2 <= E = 4, gathers
+        assert not sorts(small, x[:1, :1])
+    if not gathers:
+        return
     y_s, aux_s, g_s = _loss_and_grads(small, x)
     y_d, aux_d, g_d = _loss_and_grads(dispatch, x)
     np.testing.assert_allclose(y_s, y_d, atol=ATOL, rtol=RTOL)
     chex.assert_trees_all_close(g_s, g_d, atol=ATOL, rtol=RTOL)
     assert float(aux_s["dropped_tokens"]) == float(aux_d["dropped_tokens"])
+
+
+def test_bad_gather_threshold_is_refused_naming_the_field():
+    block, _ = _block(gather_max_tokens=-2)
+    with pytest.raises(ValueError, match=r"model.moe.gather_max_tokens=-2; use -1 \(auto\), 0 \(never\)"):
+        jax.eval_shape(lambda x: block(x), _x())
