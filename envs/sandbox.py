@@ -10,6 +10,15 @@ open files and POSIX message queues; no core dumps; a wall-clock limit (SIGTERM 
 `sandbox_run._TERM_GRACE_S` later); stdout and stderr each kept up to `Limits.output_bytes` (`truncated`).
 A host process running as root runs sandboxed code as `nobody` (65534), never as root.
 
+Starting a run. Warm (the default): this process's zygote (`start_zygote`, which the code and terminal
+domains call when they are made) keeps two children made ahead for the last tmpfs size and network flag
+asked for: namespaces, mounts, /proc, root and the command's process exist before the request, so a run
+only binds its work dir into place, sets its own limits and execs; each child serves one run and the next
+one is made at once (`envs.sandbox_zygote`). Runs with a per-run cgroup, with bubblewrap or at the
+"rlimits" level are not made ahead: their child is forked for the run. Cold
+(`Sandbox(zygote=False)`): the same child code in a fresh interpreter per run, identical results.
+`start_latency` measures both.
+
 Isolation levels, strongest first (`isolation()` detects the strongest that works here, once per process, by
 running `true` under each; every `RunResult.isolation` names it, with "+network" for `Sandbox(network=True)`):
 
@@ -555,8 +564,10 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))]
 
 
-def start_latency(n: int = 50) -> dict[str, float]:
-    """Milliseconds from `run(["true"])` to its result: warm (zygote) and cold (fresh interpreter)."""
+def start_latency(n: int = 50, pause_s: float = 0.0) -> dict[str, float]:
+    """Milliseconds from `run(["true"])` to its result: warm (zygote) and cold (fresh interpreter), `n`
+    runs each, `pause_s` seconds apart (0: back to back, so that making the next children ahead competes
+    with each run; runs of real work leave that time between starts)."""
     isolation()
     start_zygote()
     figures = {}
@@ -564,6 +575,7 @@ def start_latency(n: int = 50) -> dict[str, float]:
         with Sandbox(zygote=warm) as sb:
             times = []
             for _ in range(n):
+                time.sleep(pause_s)
                 t = time.perf_counter()
                 sb.run(["true"])
                 times.append((time.perf_counter() - t) * 1e3)

@@ -1,23 +1,25 @@
 """The child side of `envs.sandbox`: everything between the fork of a run and the exec of its command.
 
-Standard library only, run as a script: `python -I -S sandbox_child.py --zygote FD` (the zygote: forks the
-processes of runs) or `--exec` (the cold path: one fresh interpreter per run, the whole spec on fd 4). The
-host builds the whole spec (`envs.sandbox._spec`); nothing here decides policy. A spec has two parts:
-`prep`, what a run's namespaces and mounts are made from (the same for many runs), and `run`, what only this
-run has (argv, env, cwd, limits, work dir). A child is made from `prep` first and takes its `run` (with the
-run's stdin, stdout, stderr and events fds) only when that arrives, so the zygote makes the next child
-ahead of its request (`ahead` in the spec): namespaces made, the mount plan but the work dir mounted, /proc
-mounted. When the request comes, its work dir is bound, the root entered and the command forked and
-exec'd with the request's limits. A prepared child serves one run, then ends; the zygote makes another.
+Standard library only. The zygote (`sandbox_zygote.py`) forks children from `run_child`; `python -I -S
+sandbox_child.py --exec` is the cold path (one fresh interpreter per run, the whole spec on fd 4). The host
+builds the whole spec (`envs.sandbox._spec`); nothing here decides policy. A spec has two parts: `prep`,
+what a run's namespaces and mounts are made from (the same for many runs), and `run`, what only this run
+has (argv, env, cwd, limits, work dir). A child is made from `prep` first and takes its `run` (with the
+run's stdin, stdout, stderr, status and events fds) from its channel (`SPEC_FD`) only when that comes, so
+that the zygote can make children ahead of their run (`prep["ahead"]`): namespaces made, the mount plan
+mounted, /proc too, the root entered, the command's process forked in its own user namespace. When the run
+comes, its work dir is bound from the stage (`_stage`, `_show_workdir`) and the command exec'd with the
+run's limits. A child serves one run, then ends.
 
 Processes of one run at the "mount" and "unshare-net" levels (own backend):
 
     zygote -- C   host PID namespace; its own session (the host's kill target); the run's cgroup when
                   there is one; the memory watchdog; ends the way the command ended
               `-- I   PID 1 of the run's PID namespace, root of the run's first user namespace: makes the
-                      mount, network, IPC and UTS namespaces and the mounts ahead; for the run, binds the
-                      work dir, enters the root, forks the command, reaps; when the command has ended,
-                      kills and reaps everything left in the namespace, then reports to C
+                      mount, network, IPC and UTS namespaces, the root and P ahead; takes the run from the
+                      channel, passes C the events fd, shows the work dir, hands P its run, reaps; once the
+                      command has ended, kills and reaps everything left in the namespace, then writes the
+                      command's wait status to the host's status pipe and to C
                   `-- P   the command: a second user namespace in which it is the host-side uid (never 0),
                           so exec leaves it no capabilities; rlimits; no further user namespaces
 
@@ -90,8 +92,12 @@ def _prctl(option: int, value: int | bytes) -> None:
 
 
 def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+    """One write(2) (what /proc's id maps need), without Python's file objects."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _map_ids(inside: int, outside_uid: int, outside_gid: int) -> None:
@@ -165,12 +171,9 @@ def _never_return(fn: Callable, *args) -> None:
     """Runs `fn` (which execs or exits) in a forked process; any failure ends that process, never returns."""
     try:
         fn(*args)
-    except FileNotFoundError as e:
-        os.write(2, f"sandbox: {e.filename}: command not found\n".encode())
     except BaseException as e:  # noqa: BLE001 - nothing may return into the caller's frames after a fork
         os.write(2, f"sandbox: setup failed: {e!r}\n".encode())
         os._exit(126)
-    os._exit(127)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -265,12 +268,12 @@ def _show_workdir(workdirs: str, workdir: str) -> None:
     empty read-only tmpfs (nothing of the run has run yet: P is waiting for this run) and the holder made
     read-only. Covered, not unmounted: an unmount waits for an RCU grace period, milliseconds on a busy
     machine, and no path reaches a covered mount (I holds no descriptor or directory in it)."""
-    name = os.path.basename(workdir)
-    if os.path.dirname(workdir) != workdirs or name in ("", ".", "..", STAGE):
+    name, stage = workdir[len(workdirs) + 1 :], f"{workdirs}/{STAGE}"
+    if not workdir.startswith(workdirs + "/") or "/" in name or name in ("", ".", "..", STAGE):
         raise ValueError(f"work dir {workdir!r} is not a directory in {workdirs!r}")
     os.mkdir(workdir, 0o755)
-    _mount(os.path.join(workdirs, STAGE, name), workdir, None, MS_BIND | MS_REC)
-    _hide("", os.path.join(workdirs, STAGE))
+    _mount(f"{stage}/{name}", workdir, None, MS_BIND | MS_REC)
+    _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0755")  # as `_hide`
     _mount(None, workdirs, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
@@ -341,8 +344,12 @@ def _fail(error: BaseException, given: dict | None) -> None:
 
 def _become_command(run: dict, nproc: int | None) -> None:
     _set_rlimits(run["limits"], nproc)
-    os.chdir(run["cwd"])
-    os.execvpe(run["argv"][0], run["argv"], run["env"])
+    os.chdir(run["cwd"])  # a missing work dir is a setup failure (126), not a missing command
+    try:
+        os.execvpe(run["argv"][0], run["argv"], run["env"])
+    except FileNotFoundError as e:
+        os.write(2, f"sandbox: {e.filename}: command not found\n".encode())
+        os._exit(127)
 
 
 def _command(channel: socket.socket, uid: int, gid: int) -> None:

@@ -133,6 +133,20 @@ _ZYGOTE: _Zygote | None = None
 _ZYGOTE_LOCK = threading.Lock()
 
 
+def _forget_zygote() -> None:
+    """In a forked child of the host: the zygote and the children it handed over stay the parent's (a copy
+    of a handed channel here would keep a child the parent drops waiting)."""
+    global _ZYGOTE, _ZYGOTE_LOCK
+    if _ZYGOTE is not None:
+        for _, _, channel in _ZYGOTE.ahead:
+            channel.close()
+        _ZYGOTE.sock.close()
+    _ZYGOTE, _ZYGOTE_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_zygote)
+
+
 def start_zygote() -> bool:
     """Starts this process's zygote now (it also starts lazily on the first run); False if it cannot."""
     global _ZYGOTE
