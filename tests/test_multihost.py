@@ -74,7 +74,7 @@ def _start_pair(workdir, log_dir) -> list[subprocess.Popen]:
     return procs
 
 
-def _wait(procs, log_dir, timeout=600.0) -> None:
+def _wait(procs, log_dir, timeout=1500.0) -> None:
     deadline = time.time() + timeout
     for p in procs:
         try:
@@ -107,12 +107,14 @@ def test_two_processes_equal_one_and_resume_after_kill_9(tmp_path):
     pair, killed, single = tmp_path / "pair", tmp_path / "killed", tmp_path / "single"
 
     procs = _start_pair(pair, logs)
-    one = subprocess.run(_command(single), cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=600)
+    one = subprocess.run(
+        _command(single), cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=1500
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     _wait(procs, logs)
 
     procs = _start_pair(killed, logs)
-    deadline = time.time() + 600
+    deadline = time.time() + 1500
     while not (killed / "checkpoints" / "2").exists():
         assert all(p.poll() is None for p in procs) and time.time() < deadline, "ended before step 2"
         time.sleep(0.05)
