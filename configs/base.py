@@ -115,6 +115,18 @@ MODEL = {
     "moe.capacity_factor": Float(
         1.25, "capacity impl: slots per expert = factor * tokens * top_k / E", lo=0, lo_open=True
     ),
+    "moe.expert_parallel": Choice(
+        "auto",
+        "with experts sharded: auto (shard_map + all-to-all where the layout allows, else GSPMD), "
+        "shard_map (refuse layouts it cannot run), gspmd",
+        ("auto", "shard_map", "gspmd"),
+    ),
+    "moe.gather_max_tokens": Int(
+        0,
+        "token counts (batch x length) at or below this gather each token's top-k experts' weights instead "
+        "of sort/dispatch; -1: while tokens * top_k <= num_experts; 0: never",
+        lo=-1,
+    ),
     "moe.load_balance_weight": Float(0.01, "weight of the load-balancing auxiliary loss", lo=0),
     "moe.z_loss_weight": Float(1e-3, "weight of the router z-loss", lo=0),
     "moe.bias_update_rate": Float(1e-3, "aux-loss-free balancing: step size of the selection bias", lo=0),

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from model import layers, moe_parallel, sharding
+from model import layers, moe_local, moe_parallel, sharding
 from model.moe_dispatch import (
     combine_rows,
     gather_rows,
@@ -241,7 +241,7 @@ class MoEBlock(nnx.Module):
             split = lambda a: a.reshape(b, t, k)
             y_BTD = moe_parallel.dispatch(x_BTD, split(idx_Tk), split(w_Tk), kept_BTk, gate, up, down, layout)
             return y_BTD, jnp.sum(1.0 - kept_BA.astype(jnp.float32))
-        gather_max = getattr(e, "gather_max_tokens", GATHER_MAX_TOKENS)
+        gather_max = e.gather_max_tokens
         if gather_max < -1:
             raise ValueError(
                 f"model.moe.gather_max_tokens={gather_max}; use -1 (auto), 0 (never) or a token count"
@@ -252,6 +252,10 @@ class MoEBlock(nnx.Module):
             y_TD = gathered_swiglu(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
             return y_TD.reshape(b, t, d), none_dropped
         if cap is None:
+            if moe_local.applies(rules, sizes, b):  # a data / FSDP mesh: each shard its own tokens
+                split = lambda a: a.reshape(b, t, k)  # noqa: E731
+                y_BTD = moe_local.local_ragged(x_BTD, split(idx_Tk), split(w_Tk), gate, up, down, rules)
+                return y_BTD, none_dropped
             y_TD = ragged_dispatch(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
             return y_TD.reshape(b, t, d), none_dropped
         assign_R, row_A, kept_BA = capacity_rows(idx_Tk.reshape(b, t, -1), n, cap)

@@ -88,7 +88,7 @@ def experts_sharded(rules, sizes: dict[str, int]) -> bool:
 
 
 def mode_of(moe_cfg) -> str:
-    mode = getattr(moe_cfg, "expert_parallel", DEFAULT_MODE)
+    mode = moe_cfg.expert_parallel
     if mode not in MODES:
         raise ValueError(f"model.moe.expert_parallel={mode!r}; choose one of {MODES}")
     return mode
