@@ -28,6 +28,13 @@ instead of I. At the "rlimits" level C execs the command itself. Only the own ba
 without a per-run cgroup are made ahead (a process must start inside its cgroup; bwrap takes its plan at
 exec); the others wait in C for their run, which the zygote then sends at once.
 
+C, I and P are not dumpable (but for P's moment of writing its own id maps): their user namespaces belong
+to the sandboxed uid, so any other process of that uid in the host's user namespace (code run at the
+"rlimits" level, say) holds every capability in them and could ptrace a child made ahead and run the next
+mount-level run its own way; an undumpable process it cannot trace or look into (that takes
+CAP_SYS_PTRACE in the host's user namespace). C's watchdog reads the run's /proc through a descriptor I
+opened, not through /proc/<I>/root.
+
 C reports to the host on fd 3 (`EVENTS_FD`), one JSON object per line: {"memory_exceeded": bytes}.
 """
 
@@ -360,7 +367,9 @@ def _command(channel: socket.socket, uid: int, gid: int) -> None:
     failure = None
     try:
         _unshare(NEWUSER)
+        _prctl(_PR_SET_DUMPABLE, 1)  # its own id maps are writable only so
         _map_ids(uid, 0, 0)
+        _prctl(_PR_SET_DUMPABLE, 0)  # as C and I until exec, which makes the command dumpable again
         _write("/proc/sys/user/max_user_namespaces", "0")
     except BaseException as e:  # noqa: BLE001 - said on the run's stderr once the run is here
         failure = e
@@ -424,14 +433,17 @@ def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: in
         failure = e
     status_fd, stdio = None, [0, 1, 2]
     try:
+        proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the run's, for C's watchdog
         if given is None:
             raw, fds = _take_run()  # stdin, stdout, stderr, the host's status pipe, events
             stdio, status_fd = fds[:3], fds[3]
-            send_message(to_c, raw, [fds[4]])
+            send_message(to_c, raw, [fds[4], proc])
             os.close(fds[4])
         else:
             os.close(EVENTS_FD)
             raw = json.dumps(given).encode()
+            send_message(to_c, b"", [proc])
+        os.close(proc)
         if failure is not None:
             raise failure
         if prep["level"] == "mount":
@@ -453,30 +465,31 @@ def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: in
     os._exit(0)
 
 
-def _memory_in(proc_dir: str, host_proc_dev: int) -> int:
+def _memory_in(proc: str | int, host_proc_dev: int) -> int:
     """Bytes of anonymous and shared memory mapped by the processes of the PID namespace whose /proc is
-    `proc_dir`; 0 until that /proc is the run's own."""
+    `proc` (a path, or a descriptor of the directory); 0 until that /proc is the run's own."""
     try:
-        if os.stat(proc_dir).st_dev == host_proc_dev:
+        if os.stat(proc).st_dev == host_proc_dev:
             return 0
-        names = os.listdir(proc_dir)
+        names = os.listdir(proc)
     except OSError:
         return 0
     total = 0
     for name in names:
         if name.isdigit():
             try:
-                with open(f"{proc_dir}/{name}/status", "rb") as f:
+                fd = os.open(f"{name}/status", os.O_RDONLY, dir_fd=proc) if isinstance(proc, int) else None
+                with open(fd if fd is not None else f"{proc}/{name}/status", "rb") as f:
                     total += sum(int(kb) for kb in _RSS.findall(f.read())) << 10
             except OSError:
                 continue
     return total
 
 
-def _watch(pid: int, limit: int | None, proc_dir: str | None, report: socket.socket | None = None) -> int:
+def _watch(pid: int, limit: int | None, proc: str | int | None, report: socket.socket | None = None) -> int:
     """Waits for `pid` to end, or for its wait-status line on `report`; with a `limit`, kills `pid` when
     the run's processes together map more memory than that. Returns the reported status, else `pid`'s."""
-    watching = limit is not None and proc_dir is not None
+    watching = limit is not None and proc is not None
     pidfd = os.pidfd_open(pid)
     host_dev = os.stat("/proc").st_dev
     line, waits = b"", [pidfd] + ([report] if report is not None else [])
@@ -490,7 +503,7 @@ def _watch(pid: int, limit: int | None, proc_dir: str | None, report: socket.soc
                     break
             elif pidfd in ready:
                 break
-            elif watching and (used := _memory_in(proc_dir, host_dev)) > limit:
+            elif watching and (used := _memory_in(proc, host_dev)) > limit:
                 os.kill(pid, signal.SIGKILL)
                 os.write(EVENTS_FD, json.dumps({"memory_exceeded": used}).encode() + b"\n")
                 break
@@ -514,22 +527,23 @@ def _run_namespaced(prep: dict, given: dict | None) -> int:
     uid, gid = os.getuid(), os.getgid()
     _unshare(NEWUSER | NEWPID)
     _map_ids(0, uid, gid)
+    _prctl(_PR_SET_DUMPABLE, 0)  # ptrace by the uid's other processes (the module docstring); I inherits it
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     init = os.fork()
     if init == 0:
         ours.close()
         _never_return(_init, prep, given, theirs, uid, gid)
     theirs.close()
-    run = given
     if given is None:
         os.dup2(0, SPEC_FD)  # the channel is I's now (C's /dev/null in its place, for `_fail`)
-        received = recv_message(ours)
-        if received is None:  # I ended before its run started
-            return os.waitpid(init, 0)[1]
-        os.dup2(received[1][0], EVENTS_FD)
-        os.close(received[1][0])
-        run = json.loads(received[0])
-    status = _watch(init, _watch_limit(prep, run), _proc_inside(init), ours)
+    received = recv_message(ours)  # the run (from the zygote's channel), and the run's /proc
+    if received is None:  # I ended before its run started
+        return os.waitpid(init, 0)[1]
+    run, fds = given or json.loads(received[0]), received[1]
+    if given is None:
+        os.dup2(fds[0], EVENTS_FD)
+        os.close(fds.pop(0))
+    status = _watch(init, _watch_limit(prep, run), fds[0], ours)
     if given is not None:  # a cold C's parent reaps no orphan: I is waited for here
         with contextlib.suppress(ChildProcessError):
             os.waitpid(init, 0)
@@ -538,6 +552,7 @@ def _run_namespaced(prep: dict, given: dict | None) -> int:
 
 def _run_bwrap(prep: dict, run: dict) -> int:
     """C, bubblewrap backend: forks bwrap (the argv the host built) and watches its PID namespace."""
+    _prctl(_PR_SET_DUMPABLE, 0)  # as in `_run_namespaced`
     info_r, info_w = os.pipe()
     os.set_inheritable(info_w, True)
     pid = os.fork()

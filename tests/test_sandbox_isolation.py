@@ -11,6 +11,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -102,6 +103,57 @@ def test_probes_running_at_once_leave_each_others_bait_alone(level_below):
         run, findings = _probe("list_proc")
         assert any(f.startswith("host process seen") for f in findings), (findings, run.stderr)
         assert other.findings() == []
+
+
+_TAKE_OVER = """
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+for pid in sys.argv[1:]:
+    attached = libc.ptrace(16, int(pid), 0, 0) == 0  # PTRACE_ATTACH
+    if attached:
+        libc.ptrace(17, int(pid), 0, 0)  # PTRACE_DETACH
+    looked = []
+    for where in ("root", "cwd", "fd", "mem"):
+        try:
+            os.listdir(f"/proc/{pid}/{where}") if where != "mem" else open(f"/proc/{pid}/mem", "rb").close()
+            looked.append(where)
+        except OSError:
+            pass
+    out[pid] = [attached, looked]
+print(json.dumps(out))
+"""
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            stat = pathlib.Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        if name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found += [int(name), *_descendants(int(name))]
+    return found
+
+
+@needs_mount
+def test_code_of_the_same_uid_cannot_take_over_a_child_made_ahead(level_below):
+    """Children made ahead wait in user namespaces of the sandboxed uid, which gives every other process of
+    that uid in the host's user namespace (here a run at the rlimits level) all capabilities in them: were
+    they dumpable it could trace one and run the next mount-level run its own way. C, I and P of every
+    child made ahead must refuse to be traced or looked into."""
+    if sandbox.isolation().backend != "unshare" or sandbox.isolation().resources == "cgroup2":
+        pytest.skip("no child is made ahead here (bwrap or cgroups)")
+    assert sandbox.start_zygote()
+    deadline = time.monotonic() + 10.0
+    while len(waiting := _descendants(sandbox.zygote_pid())) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)  # two children made ahead, each a C, its I and its P
+    assert len(waiting) >= 6, waiting
+    sandbox.configure(level="rlimits")
+    run = sandbox.run_once(["python3", "-c", _TAKE_OVER, *map(str, waiting)], limits=TINY)
+    assert run.status == "ok", run.stderr
+    assert json.loads(run.stdout) == {str(pid): [False, []] for pid in waiting}
 
 
 @needs_mount
