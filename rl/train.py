@@ -189,7 +189,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         # ---- Held-out evaluation ---------------------------------------------------------------------------
         heldout = data.heldout_tasks(cfg, tokenizer) if run_eval else {}
 
-        def evaluate(tag: str, step: int) -> dict[str, Any]:
+        def evaluate(tag: str, step: int, *, greedy: bool = False) -> dict[str, Any]:
+            """rl.eval.k samples per held-out task at rl.temperature, or (greedy) one at temperature 0;
+            written to eval_<tag>[_greedy].json."""
             from rl import evaluate as evaluate_lib
 
             sampling = rollout.sampling_params(rl, tokenizer, seed=evaluate_lib.EVAL_SEED)
@@ -203,17 +205,25 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     sampling=sampling,
                     max_turns=rl.max_turns,
                     chat=rl.chat,
+                    greedy=greedy,
                 )
+            name = f"eval_{tag}_greedy.json" if greedy else f"eval_{tag}.json"
             if primary:
-                with open(os.path.join(workdir, f"eval_{tag}.json"), "w") as f:
+                with open(os.path.join(workdir, name), "w") as f:
                     json.dump(results, f, indent=2, default=float)
-            logger.log(step, evaluate_lib.flatten(results), progress=False)
+            logger.log(
+                step, evaluate_lib.flatten(results, "eval_greedy" if greedy else "eval"), progress=False
+            )
             return results
 
-        before = None
+        before = greedy_before = None
         try:
             if run_eval and start_step == 0:
                 before = evaluate("before", 0)
+                greedy_before = evaluate("before", 0, greedy=True) if rl.eval.greedy else None
+            elif run_eval:  # resumed: the first start's numbers
+                before = _read_json(workdir, "eval_before.json")
+                greedy_before = _read_json(workdir, "eval_before_greedy.json")
         except Preempted:
             return {"steps": start_step, "preempted": True}
 
@@ -310,14 +320,27 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 step, _pack(state, ref_params, draft_state), source.state(step, engine.version), force=True
             )
         ckpt.wait()
-        after = None
+        after = greedy_after = None
         try:
-            after = evaluate("after", step) if run_eval else None
+            if run_eval:
+                after = evaluate("after", step)
+                greedy_after = evaluate("after", step, greedy=True) if rl.eval.greedy else None
         except Preempted:
             return {"steps": step, "preempted": True, "engine": engine.stats()}
-        if before is not None and after is not None and primary:
-            print(format_comparison(before, after), flush=True)
-        return {"before": before, "after": after, "steps": step, "engine": engine.stats()}
+        if after is not None and primary:
+            from rl import evaluate as evaluate_lib
+
+            print(
+                evaluate_lib.format_before_after(before or {}, after, greedy_before, greedy_after), flush=True
+            )
+        return {
+            "before": before,
+            "after": after,
+            "greedy_before": greedy_before,
+            "greedy_after": greedy_after,
+            "steps": step,
+            "engine": engine.stats(),
+        }
     finally:
         handle.close()
         for part in (ckpt, logger):
@@ -665,23 +688,12 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
-def format_comparison(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """Held-out accuracy per domain before and after training, as a text table."""
-    rows = [("domain", "pass@1 before", "pass@1 after", "pass@k before", "pass@k after")]
-    for d in sorted(after):
-        b, a = before.get(d, {}), after[d]
-        nan = float("nan")
-        rows.append(
-            (
-                d,
-                f"{b.get('pass@1', nan):.3f}",
-                f"{a['pass@1']:.3f}",
-                f"{b.get('pass@k', nan):.3f}",
-                f"{a['pass@k']:.3f}",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+def _read_json(workdir: str, name: str):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------
