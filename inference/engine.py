@@ -332,15 +332,20 @@ class Engine(Scheduler):
                     out[i] = chosen[r, len(p) : len(p) + len(c)]
         return out
 
-    def update_params(self, params) -> int:
+    def update_params(self, params, *, send: Sequence[bool] | None = None) -> int:
         """Swaps in new weights (same tree, shapes, dtypes: no recompile); bumps and returns the policy
         version. `params` is the module or its `nnx.Param` state, with the selection biases of a sigmoid
-        router (`drafters.model_weights`); a Param-only state keeps the current biases. The prefix cache is
+        router (`drafters.model_weights`); a Param-only state keeps the current biases. They may be in any
+        layout, on the engine's devices or on others (`weight_sync.to_layout`; `stats()["weight_bytes"]`
+        counts what moved). `send` (a bool per leaf, `jax.tree.leaves` order): only those leaves are
+        taken, the others stay as they are (`weight_sync.WeightSync`'s delta sync). The prefix cache is
         emptied: its K/V came from the old weights."""
         params = model_weights("params", params, self.params, keep=self.params)
         with self._counting():
             # A copy: the trainer donates its params to the next step while sampling may still run.
-            self.params, moved = weight_sync.to_layout(params, self._weight_shardings, current=self.params)
+            self.params, moved = weight_sync.to_layout(
+                params, self._weight_shardings, current=self.params, send=send
+            )
             self._stats["weight_bytes"] += moved
             self._stats["weight_syncs"] += 1
             self.prefix.clear()

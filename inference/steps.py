@@ -10,6 +10,11 @@ cache dict holds the K/V pages `k` / `v` and, when the engine records routing, t
 Per-row arrays (tokens, starts, counts, page tables, sampling parameters, seeds) are traced values, so a new
 prompt length, sampling setting or batch composition never retraces: only the bucketed shapes do.
 
+On a mesh (`jitted(..., place=layout.Placement)`) every step gets explicit in/out shardings (weights and
+caches as the engine placed them, everything else replicated) and traces under the mesh, so the model's
+activation constraints (the inference rules in its graph definition) apply and no later call reshards or
+recompiles.
+
 Randomness: the token at index `step` of sample `sample` of request `request` is drawn with the key
 `sampling.sample_keys(seed, request, sample, step)`, so runs are reproducible whatever the scheduling, and
 the n samples of a prompt never share a key.

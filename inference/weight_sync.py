@@ -34,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from inference.drafters import model_weights
@@ -41,85 +42,124 @@ from inference.drafters import model_weights
 MODES = ("colocated", "disaggregated")
 
 
-def to_layout(tree, shardings, *, current=None) -> tuple:
-    """(`tree` moved to `shardings`, bytes moved): see the module docstring. Leaves of `tree` that are the
-    very arrays of `current` (the engine's weights now) are kept as they are; when there are none the whole
-    tree moves in one jitted transfer, else each other leaf in its own (a delta sync). Host (numpy) leaves
-    are put straight to their target."""
+def to_layout(tree, shardings, *, current=None, send=None) -> tuple:
+    """(`tree` moved to `shardings`, bytes moved): see the module docstring. With `send` (a bool per leaf,
+    in `jax.tree.leaves` order) and `current` (the engine's weights now), only the leaves sent move and
+    the others keep `current`'s arrays: one jitted program whatever the subset (a `lax.cond` per leaf), so
+    a delta sync never compiles again. Host (numpy) leaves are put straight to their target."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
-    held = [None] * len(leaves) if current is None else treedef.flatten_up_to(current)
-    own = [x is c for x, c in zip(leaves, held)]
-    host = [not isinstance(x, jax.Array) for x in leaves]
-    moves = [i for i in range(len(leaves)) if not (own[i] or host[i])]
-    out = list(leaves)
-    for i in (i for i in range(len(leaves)) if host[i] and not own[i]):
-        out[i] = jax.device_put(leaves[i], targets[i])
-    if len(moves) == len(leaves):  # the common case: one transfer for the whole tree
-        out = _move(leaves, targets)
+    if send is None:
+        host = [not isinstance(x, jax.Array) for x in leaves]
+        out = list(leaves)
+        for i in (i for i, h in enumerate(host) if h):
+            out[i] = jax.device_put(leaves[i], targets[i])
+        device = [i for i, h in enumerate(host) if not h]
+        for i, y in zip(device, _move([leaves[i] for i in device], [targets[i] for i in device])):
+            out[i] = y
+        sent = range(len(leaves))
     else:
-        for i in moves:
-            out[i] = _move([leaves[i]], [targets[i]])[0]
+        send = np.asarray(send, bool).reshape(len(leaves))
+        out = _move_some(leaves, targets, treedef.flatten_up_to(current), send)
+        sent = np.flatnonzero(send)
     moved = sum(
         moved_bytes(
-            None if host[i] else leaves[i].sharding, targets[i], np.shape(leaves[i]), leaves[i].dtype.itemsize
+            getattr(leaves[i], "sharding", None), targets[i], np.shape(leaves[i]), leaves[i].dtype.itemsize
         )
-        for i in range(len(leaves))
-        if not own[i]
+        for i in sent
     )
     return treedef.unflatten(out), moved
 
 
 def _move(leaves: list, targets: list) -> list:
-    src = _device_set(leaves)
-    dst = {d for s in targets for d in s.device_set}
+    if not leaves:
+        return []
+    src, dst = _device_set(leaves), _device_set(targets)
     if src == dst:
         return _copier(targets)(leaves)
     if src.isdisjoint(dst):
-        return _across(leaves, targets, src)
+        staged = _copier([_shadow(_named(s), src) for s in targets])(leaves)
+        return _copy_shards(staged, targets, range(len(leaves)))
     if all(len(x.sharding.device_set) == 1 for x in leaves):  # e.g. weights built on the default device
         return jax.device_put(leaves, targets, may_alias=False)  # slices on device, no host round trip
-    raise ValueError(
+    raise ValueError(_overlap(src, dst))
+
+
+def _move_some(leaves: list, targets: list, current: list, send: np.ndarray) -> list:
+    src, dst = _device_set(leaves), _device_set(targets)
+    if src == dst:
+        return _copier(targets, masked=True)(leaves, current, send)
+    if src.isdisjoint(dst):
+        staged = _copier([_shadow(_named(s), src) for s in targets], masked=True)(leaves, None, send)
+        out = list(current)
+        for i, y in zip(np.flatnonzero(send), _copy_shards(staged, targets, np.flatnonzero(send))):
+            out[i] = y
+        return out
+    if all(len(x.sharding.device_set) == 1 for x in leaves):
+        return [
+            jax.device_put(x, s, may_alias=False) if keep else c
+            for x, s, c, keep in zip(leaves, targets, current, send)
+        ]
+    raise ValueError(_overlap(src, dst))
+
+
+def _overlap(src: set, dst: set) -> str:
+    return (
         f"weights on devices {sorted(d.id for d in src)} partly overlap the engine's "
         f"{sorted(d.id for d in dst)}; place them on exactly the engine's devices (colocated) or on "
         "devices disjoint from them (disaggregated)."
     )
 
 
-def _device_set(leaves) -> set:
-    return {d for x in leaves for d in x.sharding.device_set}
+def _device_set(arrays_or_shardings) -> set:
+    return {d for x in arrays_or_shardings for d in getattr(x, "sharding", x).device_set}
 
 
 @functools.lru_cache(maxsize=256)
-def _copier_for(targets):
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=targets.tree)
+def _copier_for(targets, masked: bool):
+    out = targets.tree
+    if not masked:
+        return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=out)
+
+    def some(new, current, send):
+        """Leaf i: `new[i]` resharded where send[i], else `current[i]` (zeros without `current`); the
+        reshard sits inside the taken branch, so an unsent leaf runs no collective."""
+        pick = lambda i, s: lax.cond(
+            send[i],
+            lambda: lax.with_sharding_constraint(new[i], s),
+            lambda: lax.with_sharding_constraint(
+                jnp.zeros_like(new[i]) if current is None else current[i], s
+            ),
+        )
+        return [pick(i, s) for i, s in enumerate(out)]
+
+    return jax.jit(some, out_shardings=out)
 
 
-def _copier(targets: list):
-    """A jitted copy of a list of arrays to `targets` (cached per targets)."""
+def _copier(targets: list, masked: bool = False):
+    """A jitted copy of a list of arrays to `targets` (cached per targets); `masked`: `some` above."""
     from inference.layout import Tree
 
-    return _copier_for(Tree(list(targets)))
+    return _copier_for(Tree(list(targets)), masked)
 
 
-def _across(leaves, targets, src_devices) -> list:
-    """Disjoint device sets: reshard on the source devices to the targets' partitioning, then copy each
-    engine shard from the source device that holds the same block."""
-    targets = [_named(s) for s in targets]
-    staged = _copier([_shadow(s, src_devices) for s in targets])(leaves)
+def _copy_shards(staged: list, targets: list, which) -> list:
+    """Engine arrays of `targets` for leaves `which`, each shard copied device to device from the
+    staged leaf's shard on the source device at the same mesh position (`_shadow`)."""
     arrays, devices, counts = [], [], []
-    for x, s in zip(staged, targets):
+    for i in which:
+        x, s = staged[i], _named(targets[i])
         by_device = {shard.device: shard.data for shard in x.addressable_shards}
         source = dict(zip(s.mesh.devices.flat, x.sharding.mesh.devices[0].flat))
         here = list(s.addressable_devices_indices_map(x.shape))
         counts.append(len(here))
         arrays += [by_device[source[d]] for d in here]
         devices += here
-    copies = jax.device_put(arrays, devices)
-    out, i = [], 0
-    for x, s, n in zip(staged, targets, counts):
-        out.append(jax.make_array_from_single_device_arrays(x.shape, s, copies[i : i + n]))
-        i += n
+    copies = jax.device_put(arrays, devices) if arrays else []
+    out, k = [], 0
+    for i, n in zip(which, counts):
+        out.append(jax.make_array_from_single_device_arrays(staged[i].shape, targets[i], copies[k : k + n]))
+        k += n
     return out
 
 
@@ -188,7 +228,7 @@ class WeightSync:
     `delta_threshold`: None sends every leaf on every push; a number >= 0 sends only the leaves whose
     largest absolute change since they were last sent exceeds it (the first push sends all). A delta push
     reads one float per leaf to the host to decide (it waits for the params to be computed); a full push
-    returns at once.
+    returns at once. Every delta push runs the same executables, whatever leaves it sends.
 
     `push(params)` returns metrics: `sync/seconds` (until the push returned; the transfer itself may still
     run), `sync/bytes` (bytes sent to engine devices that lacked them), `sync/leaves_sent`, `sync/leaves`,
@@ -202,6 +242,7 @@ class WeightSync:
         self.engine, self.mode, self.threshold = engine, mode, delta_threshold
         self._reference = None  # delta mode: what the engine holds, in the trainer's layout
         self._changes = jax.jit(lambda new, ref: jnp.stack([_max_abs(a, b) for a, b in zip(new, ref)]))
+        self._copy = jax.jit(lambda t: [jnp.copy(a) for a in t])
         self._keep = jax.jit(
             lambda new, ref, send: [jnp.where(send[i], a, b) for i, (a, b) in enumerate(zip(new, ref))],
             donate_argnums=1,
@@ -229,17 +270,15 @@ class WeightSync:
         return metrics
 
     def _push_delta(self, leaves, treedef) -> tuple[int, dict]:
-        if self._reference is None:
+        if self._reference is None:  # nothing sent before: everything goes
             send = np.ones(len(leaves), bool)
             change = np.full(len(leaves), np.inf, np.float32)
-            self._reference = jax.jit(lambda t: [jnp.copy(a) for a in t])(leaves)
+            self._reference = self._keep(leaves, self._copy(leaves), send)
         else:
             change = np.asarray(jax.device_get(self._changes(leaves, self._reference)))
             send = change > self.threshold
             self._reference = self._keep(leaves, self._reference, send)
-        current = jax.tree.leaves(self.engine.params)
-        mixed = [new if s else old for new, old, s in zip(leaves, current, send)]
-        self.engine.update_params(treedef.unflatten(mixed))
+        self.engine.update_params(treedef.unflatten(leaves), send=send)
         unsent = change[~send]
         return int(send.sum()), {"sync/max_unsent_change": float(unsent.max()) if unsent.size else 0.0}
 

@@ -321,6 +321,16 @@ def test_disaggregated_sync_between_disjoint_devices_is_exact(target, monkeypatc
     same = Engine(cfg, jax.tree.map(jnp.asarray, jax.device_get(new)), ECFG)
     prompts, sp = _prompts(6, [7]), SamplingParams(temperature=0.0, max_new_tokens=6)
     assert eng.generate(prompts, sp)[0].tokens == same.generate(prompts, sp)[0].tokens
+    # A delta sync across the two halves: after the first push, only the doubled unembedding travels.
+    delta = weight_sync.WeightSync(eng, "disaggregated", delta_threshold=0.0)
+    assert delta.push(new)["sync/leaves_sent"] == len(jax.tree.leaves(new))
+    doubled = jax.tree.map(lambda a: a, new)
+    doubled["unembed"] = doubled["unembed"].replace(new["unembed"][...] * 2)
+    m = delta.push(doubled)
+    unembed, target = doubled["unembed"][...], jax.tree.leaves(layout_now["unembed"])[0]
+    assert m["sync/leaves_sent"] == 1
+    assert m["sync/bytes"] == _received_bytes(unembed.sharding, target, unembed.shape, 4)
+    _assert_weights_equal(eng, doubled)
     with pytest.raises(ValueError, match="mode='colocated'"):
         weight_sync.WeightSync(eng, "disaggregated").push(jax.device_put(new, layout_now))
 
@@ -334,6 +344,7 @@ def test_delta_sync_sends_only_what_changed_beyond_the_threshold(target, tp_mesh
     first = sync.push(p0)  # nothing sent before: everything goes
     assert first["sync/leaves_sent"] == first["sync/leaves"]
     _assert_weights_equal(eng, p0)
+    eng.warmup()  # steps shared with the data4_tensor2 engine above; later pushes must compile nothing
 
     def changed(params, unembed=0.0, norm=0.0):
         """`unembed[0, 0]` moved by `unembed` and every final-norm scale by `norm`; the rest as is."""
@@ -365,3 +376,4 @@ def test_delta_sync_sends_only_what_changed_beyond_the_threshold(target, tp_mesh
     # Nothing changed: nothing sent.
     m3 = sync.push(p2)
     assert (m3["sync/leaves_sent"], m3["sync/bytes"], m3["sync/max_unsent_change"]) == (0, 0, 0.0)
+    assert eng.stats()["compiles_after_warmup"] == 0
