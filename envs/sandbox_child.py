@@ -8,8 +8,8 @@ has (argv, env, cwd, limits, work dir). A child is made from `prep` first and ta
 run's stdin, stdout, stderr, status and events fds) from its channel (`SPEC_FD`) only when that comes, so
 that the zygote can make children ahead of their run (`prep["ahead"]`): namespaces made, the mount plan
 mounted, /proc too, the root entered, the command's process forked in its own user namespace. When the run
-comes, its work dir is bound from the stage (`_stage`, `_show_workdir`) and the command exec'd with the
-run's limits. A child serves one run, then ends.
+comes, its work dir is bound from the stage (`envs.sandbox_mounts`) and the command exec'd with the run's
+limits. A child serves one run, then ends.
 
 Processes of one run at the "mount" and "unshare-net" levels (own backend):
 
@@ -56,46 +56,31 @@ import sys
 import warnings  # noqa: F401 - os.execvpe imports it; later the uid may not read the stdlib
 from collections.abc import Callable
 
+if __package__:  # imported as envs.sandbox_child (by the host)
+    from envs import sandbox_mounts as mounts
+else:  # run as a script, or imported by the zygote: `-I` leaves the script's directory out of sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sandbox_mounts as mounts
+
 EVENTS_FD = 3  # C -> host: JSON lines
 SPEC_FD = 4  # where a child's spec comes from: a pipe (cold path) or its channel from the zygote
 WATCH_S = 0.01  # the memory watchdog's period
 NEWNS, NEWUTS, NEWIPC = 0x00020000, 0x04000000, 0x08000000
 NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_ST_TO_MS = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # + atime
-MNT_DETACH = 2
-STAGE = ".stage"  # where, until the run comes, the host's work dirs are seen (see `_stage`)
-_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 4, 15, 36
-_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-              "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}  # fmt: skip
 _RSS = re.compile(rb"^Rss(?:Anon|Shmem):\s+(\d+) kB", re.M)
-_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # System calls
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
-
-
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    _check(_LIBC.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
-
-
 def _unshare(flags: int) -> None:
-    _check(_LIBC.unshare(flags), "unshare")
+    mounts.check(mounts.LIBC.unshare(flags), "unshare")
 
 
 def _prctl(option: int, value: int | bytes) -> None:
-    _LIBC.prctl(option, value, 0, 0, 0)
+    mounts.LIBC.prctl(option, value, 0, 0, 0)
 
 
 def _write(path: str, text: str) -> None:
@@ -181,119 +166,6 @@ def _never_return(fn: Callable, *args) -> None:
     except BaseException as e:  # noqa: BLE001 - nothing may return into the caller's frames after a fork
         os.write(2, f"sandbox: setup failed: {e!r}\n".encode())
         os._exit(126)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The mount namespace (I, own backend): a tmpfs root holding the plan's mounts, then pivot_root into it.
-
-
-def _makedirs(path: str) -> None:
-    os.makedirs(path, mode=0o755, exist_ok=True)
-
-
-def _mount_point(target: str, like: str) -> None:
-    """An empty directory or file at `target` to mount `like` on."""
-    if os.path.isdir(like):
-        _makedirs(target)
-    elif not os.path.exists(target):
-        _makedirs(os.path.dirname(target))
-        open(target, "w").close()
-
-
-def _bind_ro(root: str, path: str, at: str | None = None) -> None:
-    target = root + (at or path)
-    _mount_point(target, path)
-    _mount(path, target, None, MS_BIND | MS_REC)
-    locked = sum(ms for st, ms in _ST_TO_MS.items() if os.statvfs(path).f_flag & st)  # must be kept
-    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
-
-
-def _bind_rw(root: str, path: str) -> None:
-    _mount_point(root + path, path)
-    _mount(path, root + path, None, MS_BIND | MS_REC)
-
-
-def _link(root: str, target: str, path: str) -> None:
-    _makedirs(os.path.dirname(root + path))
-    os.symlink(target, root + path)
-
-
-def _tmpfs(root: str, path: str, size: int) -> None:
-    _makedirs(root + path)
-    _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
-
-
-def _hide(root: str, path: str) -> None:
-    _makedirs(root + path)
-    _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0755")
-
-
-def _dev(root: str) -> None:
-    dev = root + "/dev"
-    _makedirs(dev)
-    _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
-    for name in _DEVICES:
-        if os.path.exists(f"/dev/{name}"):
-            open(f"{dev}/{name}", "w").close()
-            _mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
-    for name, target in _DEV_LINKS.items():
-        os.symlink(target, f"{dev}/{name}")
-    _makedirs(f"{dev}/pts")
-    _mount("devpts", f"{dev}/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
-
-
-def _proc(root: str) -> None:
-    _makedirs(root + "/proc")
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-
-
-_OPS: dict[str, Callable] = {
-    "ro": _bind_ro, "rw": _bind_rw, "link": _link, "tmpfs": _tmpfs, "hide": _hide, "dev": _dev, "proc": _proc,
-}  # fmt: skip
-
-
-def _mount_plan(root: str, ops: list[list]) -> None:
-    """Mounts the plan under `root` (a fresh tmpfs)."""
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates to the host
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    for op in ops:
-        _OPS[op[0]](root, *op[1:])
-
-
-def _stage(root: str, workdirs: str) -> None:
-    """A read-only tmpfs at `workdirs` (where the host makes work dirs) holding, until `_show_workdir`, the
-    host's `workdirs` at `STAGE` in it: the one place of the host the root keeps while the run is made."""
-    holder = root + workdirs
-    _makedirs(holder)
-    _mount("tmpfs", holder, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
-    _makedirs(holder + "/" + STAGE)
-    _mount(workdirs, holder + "/" + STAGE, None, MS_BIND)
-
-
-def _show_workdir(workdirs: str, workdir: str) -> None:
-    """The run's work dir (one in `workdirs`) from the stage into its place, then the stage covered by an
-    empty read-only tmpfs (nothing of the run has run yet: P is waiting for this run) and the holder made
-    read-only. Covered, not unmounted: an unmount waits for an RCU grace period, milliseconds on a busy
-    machine, and no path reaches a covered mount (I holds no descriptor or directory in it)."""
-    name, stage = workdir[len(workdirs) + 1 :], f"{workdirs}/{STAGE}"
-    if not workdir.startswith(workdirs + "/") or "/" in name or name in ("", ".", "..", STAGE):
-        raise ValueError(f"work dir {workdir!r} is not a directory in {workdirs!r}")
-    os.mkdir(workdir, 0o755)
-    _mount(f"{stage}/{name}", workdir, None, MS_BIND | MS_REC)
-    _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0755")  # as `_hide`
-    _mount(None, workdirs, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-
-
-def _enter_root(root: str) -> None:
-    """Makes `root` this namespace's `/`, read-only, and drops the host's root from it."""
-    os.chdir(root)
-    number = _PIVOT_ROOT.get(os.uname().machine)
-    if number is None:
-        raise OSError(f"pivot_root: no system call number known for {os.uname().machine}")
-    _check(_LIBC.syscall(number, b".", b"."), "pivot_root")  # the old root ends up stacked under `.`
-    _check(_LIBC.umount2(b".", MNT_DETACH), "detach the host root")
-    os.chdir("/")
-    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def _limit_ipc(tmp_bytes: int) -> None:
@@ -393,9 +265,9 @@ def _prepare_init(prep: dict) -> None:
         _loopback_up()
     _limit_ipc(prep["tmp_bytes"])
     if mount:
-        _mount_plan(prep["root"], prep["mounts"])
-        _stage(prep["root"], prep["workdirs"])
-        _enter_root(prep["root"])
+        mounts.mount_plan(prep["root"], prep["mounts"])
+        mounts.stage(prep["root"], prep["workdirs"])
+        mounts.enter_root(prep["root"])
     else:
         os.chdir("/")
     _scrub_cmdline()
@@ -447,7 +319,7 @@ def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: in
         if failure is not None:
             raise failure
         if prep["level"] == "mount":
-            _show_workdir(prep["workdirs"], (given or json.loads(raw))["workdir"])
+            mounts.show_workdir(prep["workdirs"], (given or json.loads(raw))["workdir"])
         send_message(to_p, raw, stdio)
     except BaseException as e:  # noqa: BLE001 - nothing may return into the zygote's frames after a fork
         os.write(stdio[2], f"sandbox: setup failed: {e!r}\n".encode())

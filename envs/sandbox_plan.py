@@ -11,7 +11,7 @@ A plan is a list of operations, each a JSON list, applied in order under an empt
     ["hide", path]          an empty read-only tmpfs over `path` (a private place under a read-only dir)
     ["rw", path]            the host's `path`, writable (the work dir)
 
-`envs.sandbox_child` mounts the plan itself (own backend); `bwrap_argv` turns it into bubblewrap options.
+`envs.sandbox_mounts` mounts the plan itself (own backend); `bwrap_argv` turns it into bubblewrap options.
 From the host, a run sees /usr (and the /bin, /lib... links or dirs), a copy of the /etc entries in `ETC`
 (made once per process by `stage_etc`: one mount instead of one per entry), and its
 work dir; nothing else of the host's filesystem: no /home, /root, /opt, /srv, /var, /run, /mnt, no other
