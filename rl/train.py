@@ -90,15 +90,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     handle = checkpoint.install_preemption_handler(phase.on_signal)
     logger = ckpt = None
     try:
-        levels = lambda d: tuple(rl.levels[d]) if d in rl.levels else None
-        streams = data.TaskMixer(
-            {
-                d: data.DomainTasks(
-                    d, seed=rl.seed, split="train", levels=levels(d), env_kwargs=env_kwargs.get(d)
-                )
-                for d in domains
-            }
-        )
+        # The train split (rl.data.holdout / selection say which prompts are not in it), rl.levels, rl.env.
+        streams = data.TaskMixer({d: data.domain_stream(cfg, d, "train", env_kwargs.get(d, {})) for d in domains})
         scheduler = curriculum.from_config(rl, domains, seed=rl.seed)
         source = _TaskSource(cfg, streams, scheduler, tokenizer)
         logger = (
