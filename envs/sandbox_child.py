@@ -65,6 +65,9 @@ else:  # run as a script, or imported by the zygote: `-I` leaves the script's di
 EVENTS_FD = 3  # C -> host: JSON lines
 SPEC_FD = 4  # where a child's spec comes from: a pipe (cold path) or its channel from the zygote
 WATCH_S = 0.01  # the memory watchdog's period
+AHEAD = 2  # children the zygote keeps made ahead: making one waits on the kernel (RCU grace periods for
+# the host root's unmount, network namespace setup) for longer than a run lasts on a busy machine; two give
+# each one the time of two runs, so that runs back to back still find one ready
 NEWNS, NEWUTS, NEWIPC = 0x00020000, 0x04000000, 0x08000000
 NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 4, 15, 36

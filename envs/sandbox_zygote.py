@@ -9,15 +9,15 @@ host. Requests on it (`sandbox_run._Zygote`'s; a kind, the prep's JSON, what els
     claim  a pid, with the status pipe: the host has sent a run to that child made ahead itself
     ahead  nothing more: make children ahead from this prep
 
-Children made ahead (`prep["ahead"]`, `AHEAD` of them) are forked from the prep before any request: each makes
-its namespaces and mounts, then waits on its channel. The zygote hands each to the host at once (the prep's
-JSON and the pid, with the channel's fd); the host sends a run straight to the oldest made for the run's
-prep, then claims it. A channel closes with its one run, so no child serves two, and each claim (or a
-run for another prep, or a handed child's end) makes the next at once; the host drops those made for
-another prep (at EOF they end). For every run the zygote writes C's wait status once it has reaped C; at
-the own backend's namespaced levels the run's PID 1 writes the command's wait status there first (the host
-takes the first line) and C ends after it. The zygote is the subreaper of what its children leave: a run's
-PID 1 ends just after its C.
+Children made ahead (`prep["ahead"]`, `sandbox_child.AHEAD` of them) are forked from the prep before any
+request: each makes its namespaces and mounts, then waits on its channel. The zygote hands each to the host
+at once (the prep's JSON and the pid, with the channel's fd); the host sends a run straight to the oldest
+made for the run's prep, then claims it. A channel closes with its one run, so no child serves two, and
+each claim (or a run for another prep, or a handed child's end) makes the next at once; the host drops
+those made for another prep (at EOF they end). For every run the zygote writes C's wait status once it has
+reaped C; at the own backend's namespaced levels the run's PID 1 writes the command's wait status there
+first (the host takes the first line) and C ends after it. The zygote is the subreaper of what its
+children leave: a run's PID 1 ends just after its C.
 """
 
 from __future__ import annotations
@@ -35,9 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the 
 import sandbox_child as child  # noqa: E402
 
 _PR_SET_CHILD_SUBREAPER = 36
-AHEAD = 2  # children made ahead: making one waits on the kernel (RCU grace periods for the host root's
-# unmount, network namespace setup) for longer than a run lasts on a busy machine; two give each one the
-# time of two runs, so that runs back to back still find one ready
 
 
 class _Child:
@@ -95,7 +92,7 @@ class _Zygote:
         if not prep["ahead"]:
             return
         self.ahead_key = key  # the host drops those made for another prep
-        while sum(made == key for made in self.handed.values()) < AHEAD:
+        while sum(made == key for made in self.handed.values()) < child.AHEAD:
             try:
                 made = _Child(prep, self.devnull)
             except OSError:

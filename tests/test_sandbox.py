@@ -15,6 +15,7 @@ import pytest
 
 from envs import sandbox
 from envs.sandbox import Limits, Sandbox, isolation_level, run_once
+from envs.sandbox_child import AHEAD
 
 LEVEL = isolation_level()
 # The detected level, and the no-namespace level forced, for the tests about cleanup and process limits.
@@ -289,9 +290,9 @@ def test_other_sandboxes_work_dirs_cannot_be_listed():
 # The zygote makes the next run's child ahead (own backend at the namespaced levels, no cgroup): its C forks
 # a PID 1 that makes the namespaces and mounts before any request. Seen from the host, as its parent sees it.
 ISOLATED = sandbox.isolation()
-AHEAD = LEVEL != "rlimits" and ISOLATED.backend == "unshare" and ISOLATED.resources != "cgroup2"
+MADE_AHEAD = LEVEL != "rlimits" and ISOLATED.backend == "unshare" and ISOLATED.resources != "cgroup2"
 needs_ahead = pytest.mark.skipif(
-    not AHEAD or os.geteuid() != 0,
+    not MADE_AHEAD or os.geteuid() != 0,
     reason="no child is made ahead here (bwrap, cgroups or rlimits), or not root: the children are not "
     "dumpable, so only root may read their namespaces",
 )
@@ -317,21 +318,33 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _made_ahead() -> dict[str, int]:
-    """The children the zygote has made ahead (its children that are a C; a finished run's PID 1,
-    "sandbox-init", also ends up its child) by the PID namespace of their PID 1, in which their run will
-    run; once each has its PID 1."""
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        cs = [c for c in _children(sandbox.zygote_pid()) if not _cmdline(c).startswith(b"sandbox-init")]
-        found = {}
-        for c in cs:
-            with contextlib.suppress(OSError, IndexError):
-                found[os.readlink(f"/proc/{_children(c)[0]}/ns/pid")] = c
-        if cs and len(found) == len(cs):
-            return found
-        time.sleep(0.01)
-    raise AssertionError(f"no child made ahead: zygote children {_children(sandbox.zygote_pid())}")
+@contextlib.contextmanager
+def _made_ahead():
+    """The children the zygote has made ahead, by the PID namespace of their PID 1, in which their run will
+    run: once it has `AHEAD` children or more, each a C whose PID 1 has forked its P (so neither a finished
+    run's C, whose P is gone, nor one still being made; its ended runs' PID 1s, "sandbox-init", also end up
+    its children). Their namespaces are held open meanwhile: a freed one's number could be a new one's."""
+    deadline, held = time.monotonic() + 10.0, []
+    try:
+        while time.monotonic() < deadline:
+            cs = [c for c in _children(sandbox.zygote_pid()) if not _cmdline(c).startswith(b"sandbox-init")]
+            made = {}
+            for c in cs:
+                with contextlib.suppress(OSError, IndexError):
+                    init = _children(c)[0]
+                    if _children(init):
+                        held.append(os.open(f"/proc/{init}/ns/pid", os.O_RDONLY))
+                        made[f"pid:[{os.fstat(held[-1]).st_ino}]"] = c
+            if len(cs) == len(made) >= AHEAD:  # more: made for another prep, its hand-over not yet read
+                yield made
+                return
+            while held:
+                os.close(held.pop())
+            time.sleep(0.01)
+        raise AssertionError(f"not {AHEAD} made ahead; zygote's children: {_children(sandbox.zygote_pid())}")
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def _ends(pid: int, within_s: float = 5.0) -> bool:
@@ -353,8 +366,8 @@ def test_a_child_made_ahead_serves_one_run_with_that_runs_own_limits_and_paths()
     served = []
     with Sandbox(files={"sub/mine": "a\n"}) as a, Sandbox(files={"mine": "b\n"}) as b:
         for box, limits, cwd, mine in [(a, small, "sub", "a"), (b, large, ".", "b"), (a, large, "sub", "a")]:
-            ahead = _made_ahead()
-            lines = box.run(probe, limits=limits, cwd=cwd).stdout.splitlines()
+            with _made_ahead() as ahead:
+                lines = box.run(probe, limits=limits, cwd=cwd).stdout.splitlines()
             where = os.path.normpath(box.workdir / cwd)
             assert lines[:-1] == [expected[limits], where, mine, str(box.workdir)]
             assert lines[-1] in ahead  # its PID namespace was made before the run was asked for
@@ -374,8 +387,8 @@ def test_a_run_with_other_mounts_is_not_served_by_a_child_made_for_others():
     served = []
     with Sandbox() as offline, Sandbox(network=True) as online:
         for tmp_bytes, network in runs:
-            ahead = _made_ahead()
-            result = (online if network else offline).run(probe, limits=Limits(tmp_bytes=tmp_bytes))
+            with _made_ahead() as ahead:
+                result = (online if network else offline).run(probe, limits=Limits(tmp_bytes=tmp_bytes))
             lines = result.stdout.splitlines()
             if LEVEL == "mount":
                 assert [x.strip() for x in lines[:-1]] == [str(tmp_bytes)] + (["resolv"] if network else [])
