@@ -374,15 +374,15 @@ def _run(
 
 
 def start_zygote(limits: Limits = Limits(), network: bool = False) -> bool:
-    """Starts this process's zygote now (it also starts on the first run) with a child made ahead for the
-    next run with these limits' tmpfs size and this network flag; False if the zygote cannot start."""
+    """Starts this process's zygote now (it also starts on the first run) and has it make children ahead
+    for runs with these limits' tmpfs size and this network flag (none where runs get a cgroup each, use
+    bubblewrap or run at the "rlimits" level); False if the zygote cannot start."""
     isolated = isolation()
     if not sandbox_run.start_zygote():
         return False
-    cgroup = "made per run" if isolated.resources == "cgroup2" else None
     workdir = str(_private_root() / "sandbox-")  # where a Sandbox's work dir lies; only its parent counts
-    spec = _spec(["true"], dict(BASE_ENV), workdir, "/", limits, isolated, network, cgroup)
-    if spec["prep"]["ahead"]:
+    spec = _spec(["true"], dict(BASE_ENV), workdir, "/", limits, isolated, network, cgroup=None)
+    if spec["prep"]["ahead"] and isolated.resources != "cgroup2":
         sandbox_run.prepare(spec)
     return True
 

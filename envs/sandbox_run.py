@@ -104,7 +104,8 @@ class _Zygote:
                     continue
                 finally:
                     channel.close()
-                send_message(self.sock, b"claim\n" + prep + b"\n" + str(pid).encode(), [fds[3]])
+                with contextlib.suppress(OSError):  # the run has started: never start it again elsewhere
+                    send_message(self.sock, b"claim\n" + prep + b"\n" + str(pid).encode(), [fds[3]])
                 return pid
             send_message(self.sock, b"run\n" + prep + b"\n" + payload, fds)
             return None
