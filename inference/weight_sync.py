@@ -45,7 +45,7 @@ MODES = ("colocated", "disaggregated")
 def to_layout(tree, shardings, *, current=None, send=None) -> tuple:
     """(`tree` moved to `shardings`, bytes moved): see the module docstring. With `send` (a bool per leaf,
     in `jax.tree.leaves` order) and `current` (the engine's weights now), only the leaves sent move and
-    the others keep `current`'s arrays: one jitted program whatever the subset (a `lax.cond` per leaf), so
+    the others keep `current`'s values: one jitted program whatever the subset (a `lax.cond` per leaf), so
     a delta sync never compiles again. Host (numpy) leaves are put straight to their target."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
