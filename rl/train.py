@@ -91,7 +91,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     logger = ckpt = None
     try:
         # The train split (rl.data.holdout / selection say which prompts are not in it), rl.levels, rl.env.
-        streams = data.TaskMixer({d: data.domain_stream(cfg, d, "train", env_kwargs.get(d, {})) for d in domains})
+        streams = data.TaskMixer(
+            {d: data.domain_stream(cfg, d, "train", env_kwargs.get(d, {})) for d in domains}
+        )
         scheduler = curriculum.from_config(rl, domains, seed=rl.seed)
         source = _TaskSource(cfg, streams, scheduler, tokenizer)
         logger = (
@@ -173,9 +175,12 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             draft=_drafter(rl.engine, draft_cfg, draft_state, sampler_weights),
             mesh=distributed.sampler_mesh(cfg, mesh),
         )
+        push_weights = _weight_sync(cfg, engine, mesh, processes)
+        if rl.weight_sync_delta >= 0 and processes == 1:  # the delta program compiles now, before warmup:
+            push_weights(train_step.weights(state))  # the first push sends every leaf,
+            push_weights(train_step.weights(state))  # the second runs the delta program (nothing changed)
         engine.version = version
         engine.warmup()
-        push_weights = _weight_sync(cfg, engine, mesh, processes)
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
         distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def, mesh=mesh)
 
