@@ -14,7 +14,7 @@ process count of 1.
 Dimension key: B rows of the global batch, P processes.
 
 - Prompts: every process draws the same global task list (the streams and the curriculum are replicated and
-  deterministic) and rolls out its slice (`share`); group ids, and so sampling keys, are global.
+  deterministic) and rolls out its slice (`TaskShard`); group ids, and so sampling keys, are global.
 - The batch: each process's rows become one global array (`global_batch`,
   `jax.make_array_from_process_local_data`); row order is process order, which is the mesh's device order.
 - Weights to the sampler: `local_copy` reshards the trainer's params to replicated on the trainer's mesh (one
@@ -41,16 +41,6 @@ def _cluster_detected() -> bool:
         return True
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     return len([h for h in hosts.split(",") if h]) > 1
-
-
-def requested_processes() -> int:
-    """The process count the environment asks for (1 when it asks for none), known before JAX starts."""
-    if os.environ.get("JAX_NUM_PROCESSES"):
-        return int(os.environ["JAX_NUM_PROCESSES"])
-    if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
-        return int(os.environ["SLURM_NTASKS"])
-    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-    return max(len(hosts), 1)
 
 
 def initialize() -> tuple[int, int]:
@@ -110,15 +100,6 @@ def is_primary() -> bool:
     import jax
 
     return jax.process_index() == 0
-
-
-def share(n: int) -> slice:
-    """This process's slice of n items (n divisible by the process count: `rl.validate` checks)."""
-    index, count = process()
-    if n % count:
-        raise ValueError(f"{n} items do not split over {count} processes")
-    per = n // count
-    return slice(index * per, (index + 1) * per)
 
 
 def allgather(values: Sequence[float]) -> np.ndarray:

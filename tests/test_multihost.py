@@ -17,10 +17,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
+import test_train
 
 from configs import grpo
 
@@ -49,13 +49,7 @@ def _env(devices: int, **extra) -> dict:
 
 
 def _command(workdir) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "rl.train",
-        "--config=configs/grpo.py:test",
-        f"--workdir={workdir}",
-        "--eval=false",
+    return test_train._command(workdir) + [
         f"--config.rl.steps={STEPS}",
         "--config.rl.checkpoint_every=1",
         "--config.rl.max_to_keep=8",
