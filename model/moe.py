@@ -141,7 +141,9 @@ def update_bias_state(state: nnx.State, load_LE: jax.Array, rate: float) -> nnx.
         new = [update_expert_bias(leaves[0], load_LE.reshape(leaves[0].shape), rate)]
     else:
         new = [update_expert_bias(b, load_LE[i], rate) for i, b in enumerate(leaves)]
-    out = nnx.State(dict(state))
+    # A shallow copy of the raw mapping: `dict(state)` would wrap every sub-tree (e.g. an MTP module's) in a
+    # State, a different pytree node than the state that came in (a jit's out_shardings would not match).
+    out = nnx.State(dict(state.raw_mapping))
     out["moe_layers"] = jax.tree.unflatten(treedef, new)
     return out
 

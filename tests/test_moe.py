@@ -148,6 +148,30 @@ def test_update_expert_bias_moves_toward_balance():
     np.testing.assert_allclose(new, [-0.01, 0.0, 0.0, 0.01])
 
 
+
+def test_update_bias_state_keeps_the_tree_structure_and_the_mtp_bias():
+    """The train step's out_shardings are built for the state that came in: the updated state must be the same
+    pytree (an MTP module's bias sub-tree stayed a plain mapping, not a nested State), with only the decoder's
+    MoE biases moved. Loads (1, 0, 0, 0) on 4 experts: -r on expert 0, +r on the rest."""
+    from model.transformer import Transformer
+
+    cfg = tiny.get_config()
+    cfg.model.moe.router, cfg.model.mtp_layers = "sigmoid", 1
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    rest = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), rest)
+    assert "mtp" in rest and "moe_layers" in rest
+    e = cfg.model.moe.num_experts
+    load_LE = jnp.zeros((cfg.model.num_layers - cfg.model.moe.first_dense_layers, e)).at[:, 0].set(1.0)
+    new = moe.update_bias_state(rest, load_LE, 0.01)
+    assert jax.tree.structure(new) == jax.tree.structure(rest)
+    want = np.full(e, 0.01)
+    want[0] = -0.01
+    for leaf in jax.tree.leaves(new["moe_layers"]):
+        np.testing.assert_allclose(np.asarray(leaf).reshape(-1, e), np.broadcast_to(want, (leaf.size // e, e)))
+    for leaf in jax.tree.leaves(new["mtp"]):
+        np.testing.assert_array_equal(np.asarray(leaf), 0.0)
+
 @pytest.mark.parametrize("impl", ["ragged", "capacity"])
 def test_routing_replay(impl):
     block, _ = _block(impl, capacity_factor=2.0)
