@@ -22,8 +22,11 @@ from envs import Task, registry
 
 
 def corrupt(text: str, rng: np.random.Generator) -> str:
-    """`text` with one digit or lowercase letter replaced by another of its kind (a noisy teacher's miss)."""
-    spots = [i for i, c in enumerate(text) if c.isdigit() or ("a" <= c <= "z")]
+    """`text` with one digit replaced by another (a noisy teacher's miss); a text without digits has one
+    lowercase letter replaced instead. Digits first: in "\\boxed{55}" a miss is a wrong answer, not a
+    misspelt format (the answers of `arith` are all digits, those of `strings` all letters)."""
+    spots = [i for i, c in enumerate(text) if c.isdigit()]
+    spots = spots or [i for i, c in enumerate(text) if "a" <= c <= "z"]
     if not spots:
         return text
     i = spots[rng.integers(len(spots))]

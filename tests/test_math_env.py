@@ -167,15 +167,12 @@ def test_level_contents(env):
 
 def test_easiest_level(env):
     # Level -1: "Compute a + b." / "Compute a - b." with a in 10..99, b in 1..9, through the level's prompt
-    # format (question, blank line, the shared instruction); its reference is the boxed answer alone.
+    # format (question, blank line, the level's short instruction); its reference is the boxed answer alone.
     tasks = env.sample_tasks(5, 400, difficulty=-1)
     seen = set()
     for task in tasks:
         question, instruction = task.prompt.split("\n\n")
-        assert instruction == (
-            "Show your work, then give the final answer as a single number in \\boxed{} (write fractions "
-            "as a/b)."
-        )
+        assert instruction == "Answer in \\boxed{}."
         a, op, b = question.removeprefix("Compute ").removesuffix(".").split(" ")
         assert 10 <= int(a) <= 99 and 1 <= int(b) <= 9 and op in "+-"
         expected = int(a) + int(b) if op == "+" else int(a) - int(b)

@@ -4,7 +4,8 @@ Difficulty levels of the procedural tasks (all exact; answers are `Fraction`s):
 
 - -1: a two-digit number plus or minus a single digit ("Compute 47 + 8."), the easiest mission level: a
   toy model learns it in minutes (`make demo`). One operation is its own work, so the reference solution is
-  the boxed answer alone (`\\boxed{55}`), a dozen tokens;
+  the boxed answer alone (`\\boxed{55}`), a dozen tokens, and its prompt asks for that alone
+  (the question, a blank line, "Answer in \\boxed{}.");
 - 0: one operation on two integers (`+ - * /`, divisions exact, the odd negative operand);
 - 1: integer expressions of 3-5 operands with parentheses, evaluated step by step;
 - 2: word problems of several steps: prices and change, discounts and tax, speeds and durations, ages,
@@ -44,6 +45,9 @@ from envs.domains import answers
 INSTRUCTION = (
     "Show your work, then give the final answer as a single number in \\boxed{} (write fractions as a/b)."
 )
+# Level -1 has no work to show and no fractions: its prompt asks for the boxed answer alone (and is a third
+# as long, which is most of what a toy model's step costs there).
+ANSWER_ONLY = "Answer in \\boxed{}."
 GSM8K_LEVEL = 2  # grade-school word problems sit with the level-2 procedural ones
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 
@@ -369,7 +373,8 @@ def _problem_task(problem: Problem, task_id: str, level: int) -> Task:
         "kind": problem.kind,
         "source": "procedural",
     }
-    return Task(task_id, "math", f"{problem.question}\n\n{INSTRUCTION}", metadata, level)
+    instruction = ANSWER_ONLY if level == -1 else INSTRUCTION
+    return Task(task_id, "math", f"{problem.question}\n\n{instruction}", metadata, level)
 
 
 def generate_task(seed: int, index: int, level: int) -> Task:
