@@ -1,18 +1,21 @@
 """python benchmarks/demo_recipe.py
 
 The `make demo` recipe on a CPU, as a fast stand-alone loop for choosing it: a toy MoE model (~0.66M
-parameters) learns the mission domain `math` at its easiest level (-1: "Compute 47 + 8." with the domain's
-full instruction, answered in \\boxed{}; scored by its answer parser) by a supervised warm start and then
-GRPO with the decoding engine. Pass@1 per domain (temperature 1 and greedy; pass@8 after each phase) on the
-SELECTION split is printed to stderr as it goes, and one JSON line at the end (arguments, pass rates, wall
-time per phase). `--domains` takes any registry domains with levels ("math:-1;strings:2,3").
+parameters) learns the mission domain `math` at its easiest level (-1: "Compute 47 + 8." with the level's
+short instruction, answered in \\boxed{}; scored by the domain's answer parser) beside the toy `strings`
+domain, by a supervised warm start and then GRPO with the decoding engine. Pass@1 per domain (temperature 1
+and greedy; pass@8 after each phase) on the SELECTION split is printed to stderr as it goes, and one JSON line
+at the end (arguments, pass rates, wall time per phase). `--domains` takes any registry domains with levels
+("math:-1;strings:2,3").
 
-The defaults are the math candidate under search, which does not learn yet: run through the main job at 300
-of its 800 warm-start steps (load ~15 on 2 cores), held-out pass@1 after the warm start was 0.0125 (of
-400 samples: 5 ok, 226 wrong, 169 format errors: the noisy teacher's one wrong character mostly lands in
-"boxed") and the GRPO reward stayed near 0.02. The current `make demo` recipe (arith and strings) is
-`--domains 'arith:2;strings:2,3' --seq_len 24 --max_new_tokens 8 --sft_steps 1500 --sft_batch 64
---sft_mix 48,16 --grpo_steps 300 --prompts_per_step 16 --grpo_warmup 30`.
+The defaults are the `make demo` recipe (configs/grpo.py:demo). The math candidate of before (the full
+"Show your work ..." instruction, 132 tokens a row, 800 warm-start steps of 32 rows) did not learn: run
+through the main job at 300 of its warm-start steps, held-out pass@1 after the warm start was 0.0125 (of
+400 samples: 5 ok, 226 wrong, 169 format errors: the noisy teacher's one wrong character mostly landed in
+"boxed"). Two
+changes made it learn: the noisy teacher now misses a digit of the answer (`rl.sft.corrupt`), and level -1
+asks for the boxed answer alone (a 38-token prompt), so the arith recipe's budget (1500 steps of 64 rows)
+fits. The arith recipe of before is `--domains 'arith:2;strings:2,3' --seq_len 24 --max_new_tokens 8`.
 
 Splits (`rl.data`): the loop trains on the train stream (`DomainTasks(split="train")`, as the trainer does)
 and scores the first `--eval_n` distinct prompts of the selection split. The held-out (eval) split is never
@@ -64,17 +67,15 @@ def log(msg: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[2])
-    p.add_argument("--domains", default="math:-1", help="domain:levels;...")
+    p.add_argument("--domains", default="math:-1;strings:2,3", help="domain:levels;...")
     p.add_argument("--d_model", type=int, default=128)
     p.add_argument("--num_layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=4)
-    p.add_argument(
-        "--seq_len", type=int, default=132, help="prompt + completion tokens (max_prompt_len + 12)"
-    )
+    p.add_argument("--seq_len", type=int, default=52, help="prompt + completion tokens (max_prompt_len + 12)")
     p.add_argument("--holdout", type=float, default=HOLDOUT, help="rl.data.holdout (never scored here)")
     p.add_argument("--selection", type=float, default=SELECTION, help="rl.data.selection")
-    p.add_argument("--sft_steps", type=int, default=800)
-    p.add_argument("--sft_batch", type=int, default=32)
+    p.add_argument("--sft_steps", type=int, default=1500)
+    p.add_argument("--sft_batch", type=int, default=64)
     p.add_argument("--sft_lr", type=float, default=3e-3)
     p.add_argument(
         "--sft_noise",
@@ -84,19 +85,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sft_mix",
-        default="",
+        default="48,16",
         help="rows of each SFT batch per domain, in --domains order (empty: equal)",
     )
     p.add_argument(
         "--sft_cache", default="", help="experiments: load the SFT params from / save them to here"
     )
     p.add_argument("--sft_eval_every", type=int, default=0, help="0: evaluate only after SFT")
-    p.add_argument("--grpo_steps", type=int, default=150)
-    p.add_argument("--prompts_per_step", type=int, default=8)
+    p.add_argument("--grpo_steps", type=int, default=300)
+    p.add_argument("--prompts_per_step", type=int, default=16)
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument("--grpo_lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--grpo_warmup", type=int, default=15)
+    p.add_argument("--grpo_warmup", type=int, default=30)
     p.add_argument("--grpo_b2", type=float, default=0.999)
     p.add_argument("--advantage_std", default="group", help="group | batch | none (Dr. GRPO)")
     p.add_argument("--temperature", type=float, default=1.0)

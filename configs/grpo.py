@@ -273,24 +273,25 @@ def _variant(name: str, model_arg: str = "") -> ml_collections.ConfigDict:
 
 
 def _demo(cfg: ml_collections.ConfigDict) -> None:
-    """The recipe found with benchmarks/demo_recipe.py: `arith` level 2 ("47+8=") and `strings` levels 2-3
-    ("rev kqbdx=", "sort kqbdxa="); a short warm start on a noisy teacher's demonstrations (65% with one
-    character wrong) leaves the model knowing the skill but sampling near misses (pass@1 at temperature 1
-    far below pass@k), the gap GRPO turns into pass@1. Held out: 150 distinct prompts per domain (arith
-    level 2 has 199 in its held-out split)."""
+    """The mission domain `math` at its easiest level (-1: "Compute 47 + 8.", answered in \\boxed{}) beside
+    the toy `strings` levels 2-3 ("rev kqbdx=", "sort kqbdxa="); benchmarks/demo_recipe.py runs the same
+    recipe on the selection split. A short warm start on a noisy teacher's demonstrations (65% with one
+    digit, or for strings one letter, wrong) leaves the model knowing the skill (greedy mostly right) but
+    sampling near misses (pass@1 at temperature 1 far below pass@k), the gap GRPO turns into pass@1.
+    Held out: 150 distinct prompts per domain."""
     m, rl = cfg.model, cfg.rl
     m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim = 128, 2, 4, 2, 32
     m.d_ff = 256
     m.moe.num_experts, m.moe.top_k, m.moe.d_ff, m.moe.shared_d_ff = 4, 2, 128, 128
-    rl.domains = ("arith", "strings")
-    rl.levels = ml_collections.ConfigDict({"arith": (2,), "strings": (2, 3)})
+    rl.domains = ("math", "strings")
+    rl.levels = ml_collections.ConfigDict({"math": (-1,), "strings": (2, 3)})
     rl.curriculum_floor = 0.25
-    rl.max_prompt_len, rl.max_new_tokens = 16, 8
+    rl.max_prompt_len, rl.max_new_tokens = 40, 12
     rl.prompts_per_step, rl.group_size = 16, 8
     rl.steps, rl.checkpoint_every = 300, 50
     rl.optim.update(lr=3e-4, warmup_steps=30, total_steps=300, b2=0.999)
     rl.sft.steps, rl.sft.rows, rl.sft.noise = 1500, 64, 0.65
-    rl.sft.weights = ml_collections.ConfigDict({"arith": 48, "strings": 16})
+    rl.sft.weights = ml_collections.ConfigDict({"math": 48, "strings": 16})
     rl.sft.optim = ml_collections.ConfigDict({"lr": 3e-3, "warmup_steps": 5, "total_steps": 1500})
     rl.engine.update(max_batch=128, prefill_chunk=16, prefill_batch=16, min_bucket=16)
     rl.eval.n_tasks, rl.eval.k = 150, 4
