@@ -148,7 +148,6 @@ def test_update_expert_bias_moves_toward_balance():
     np.testing.assert_allclose(new, [-0.01, 0.0, 0.0, 0.01])
 
 
-
 def test_update_bias_state_keeps_the_tree_structure_and_the_mtp_bias():
     """The train step's out_shardings are built for the state that came in: the updated state must be the same
     pytree (an MTP module's bias sub-tree stayed a plain mapping, not a nested State), with only the decoder's
@@ -168,9 +167,11 @@ def test_update_bias_state_keeps_the_tree_structure_and_the_mtp_bias():
     want = np.full(e, 0.01)
     want[0] = -0.01
     for leaf in jax.tree.leaves(new["moe_layers"]):
-        np.testing.assert_allclose(np.asarray(leaf).reshape(-1, e), np.broadcast_to(want, (leaf.size // e, e)))
+        rows = np.asarray(leaf).reshape(-1, e)
+        np.testing.assert_allclose(rows, np.broadcast_to(want, rows.shape))
     for leaf in jax.tree.leaves(new["mtp"]):
         np.testing.assert_array_equal(np.asarray(leaf), 0.0)
+
 
 @pytest.mark.parametrize("impl", ["ragged", "capacity"])
 def test_routing_replay(impl):
