@@ -10,6 +10,7 @@ if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -21,3 +22,42 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Modules that define absl flags (CLIs) can be imported and used without parsing argv.
 if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
+
+
+# Every XLA:CPU executable maps its code and buffers (~3,000 mappings per main-job run on 8 fake devices), and
+# JAX's in-memory caches keep the executables of every test alive. A worker ~20 main-job tests old reached
+# vm.max_map_count (65,530); the next compile's mmap failed and XLA segfaulted or aborted (in the compiler or
+# in executable.serialize()). Past a threshold, drop the in-memory caches: the executables that nothing else
+# holds are freed and unmapped, and the persistent cache gives them back cheaply if needed. After a test
+# module past MODULE_MAPPINGS; after a test only past TEST_MAPPINGS, near the limit (a module's fixtures may
+# hold a warmed-up engine that counts its compiles, and a cleared cache makes it compile again).
+MODULE_MAPPINGS, TEST_MAPPINGS = 15_000, 45_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+def _drop_caches_past(limit: int) -> None:
+    if _mappings() > limit:
+        import gc
+
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_mappings_per_module():
+    yield
+    _drop_caches_past(MODULE_MAPPINGS)
+
+
+@pytest.fixture(autouse=True)
+def _bounded_mappings_per_test():
+    yield
+    _drop_caches_past(TEST_MAPPINGS)
