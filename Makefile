@@ -5,9 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Tests run in two xdist workers (one per core on the reference 2-core machine). A test whose worker process
 # crashed runs again on a fresh worker, at most twice; assertion failures and errors are never rerun
-# (--only-rerun matches the crash report only). Crashes seen, each inside XLA:CPU and gone on a rerun: a
-# segfault in its compiler, and an abort in `executable.serialize()` while the persistent compile cache
-# wrote a train step (once in CI on the same main-job test twice in a row, once here on another).
+# (--only-rerun matches the crash report only). The crashes seen (XLA:CPU segfaults and aborts in old
+# workers) came from workers past vm.max_map_count, which tests/conftest.py now prevents.
 PYTEST_ARGS ?= -n 2 -m "not slow" --reruns 2 --only-rerun "crashed while running"
 
 .PHONY: demo test lint bench clean
