@@ -56,6 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", default="runs/learning", help="run directories go under here")
     p.add_argument("--out", default="", help="JSON lines file (default: stdout only)")
     p.add_argument("--plot", default="", help="PNG of held-out accuracy against compute")
+    p.add_argument(
+        "--from_jsonl",
+        default="",
+        help="no runs: the summary and plot from the point lines of earlier --out files (comma-separated; "
+        "a repeated (arm, seed, step) keeps its last line)",
+    )
     return p.parse_args(argv)
 
 
@@ -173,7 +179,35 @@ def one_run(args, arm: str, seed: int, emit) -> list[tuple[float, float]]:
         if len(cfg.rl.domains) > 1:
             cos = gradient_cosines(cfg, workdir, step, args.grad_rows)
             emit({"kind": "interference", "arm": arm, "seed": seed, "step": step, "cosine": cos})
+    _release_executables()
     return points
+
+
+def _release_executables() -> None:
+    """Frees the run's compiled programs. Each XLA:CPU executable holds memory mappings and JAX's caches keep
+    them all alive: the seventh run of this loop in one process passed vm.max_map_count (65,530) and LLVM
+    failed ("Cannot allocate memory", then a segfault)."""
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
+def curves_from_jsonl(paths: list[str]) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """arm -> seed -> [(compute, mean held-out pass@1)] by step, from the point lines of `paths`."""
+    points: dict[tuple[str, int, int], tuple[float, float]] = {}
+    for path in paths:
+        with open(path) as f:
+            for r in map(json.loads, f):
+                if r.get("kind") == "point":
+                    points[(r["arm"], r["seed"], r["step"])] = (r["compute"], r["mean"])
+    curves: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for (arm, seed, _), point in sorted(points.items()):
+        curves.setdefault(arm, {}).setdefault(seed, []).append(point)
+    return curves
 
 
 def plot(curves: dict[str, dict[int, list[tuple[float, float]]]], path: str, target: float) -> None:
@@ -209,9 +243,12 @@ def main(argv=None) -> list[dict]:
 
     emit({"kind": "args", **vars(args), "load": os.getloadavg()})
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {}
-    for arm in args.arms.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            curves.setdefault(arm, {})[seed] = one_run(args, arm, seed, emit)
+    if args.from_jsonl:
+        curves = curves_from_jsonl(args.from_jsonl.split(","))
+    else:
+        for arm in args.arms.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                curves.setdefault(arm, {})[seed] = one_run(args, arm, seed, emit)
     reached = {}
     for arm, by_seed in curves.items():
         per_seed = [reach(pts, args.target) for pts in by_seed.values()]
