@@ -16,13 +16,19 @@ Printed and written as JSON lines (`--out`):
   (`--grad_rows` train-split tasks, the warm start's loss) at that checkpoint's parameters. It is a proxy:
   the GRPO gradient needs the rollout of the moment; this one asks whether making one domain's right
   answers likelier makes the other's less likely (cosine < 0) as training goes on;
+- `{"kind": "projection", arm, seed, steps, conflicts_mean, kept_mean, "cosine/a|b": {mean, min, max}}`
+  per run of the `pcgrad` arm: what the projection did, from the run's per-step metrics;
 - `{"kind": "summary", arm, target, compute_to_target: [per seed, null if never reached], mean, std,
   reached}`: compute until the mean held-out pass@1 over domains first reaches `--target` (linear
   interpolation between checkpoints), and the A/B difference with its spread over seeds.
 
+Arm `pcgrad` is `static` with `rl.gradient_projection=True`: the train step splits each batch's gradient by
+domain and removes each domain's component that conflicts with another's (PCGrad, rl/projection.py) before
+the optimizer step; its runs log `train/projection/{conflicts,kept,cosine/a|b}` per step, the cosine of
+the GRPO gradients themselves.
+
 `--plot` draws held-out mean pass@1 against compute, one line per arm (mean over seeds), the seeds' range
-shaded. A gradient-projection arm (removing the conflicting component between domains' gradients, PCGrad)
-needs the train step to see per-domain gradients (rl/train_step.py); it is not an arm here yet.
+shaded.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import numpy as np
 # The repo root first: benchmarks/envs.py would shadow the `envs` package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ARMS = ("adaptive", "static")
+ARMS = ("adaptive", "static", "pcgrad")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +83,9 @@ def run_config(args, arm: str, seed: int):
     rl.levels = ml_collections.ConfigDict(
         {name: tuple(int(x) for x in lv.split(",")) for name, _, lv in specs if lv}
     )
-    rl.curriculum = arm
+    # pcgrad: static uniform weights, the domains' gradients projected (rl.gradient_projection).
+    rl.curriculum = "static" if arm == "pcgrad" else arm
+    rl.gradient_projection = arm == "pcgrad"
     rl.seed = seed
     rl.steps, rl.optim.total_steps = args.steps, args.steps
     rl.optim.warmup_steps = min(rl.optim.warmup_steps, max(args.steps // 10, 1))
@@ -179,8 +187,33 @@ def one_run(args, arm: str, seed: int, emit) -> list[tuple[float, float]]:
         if len(cfg.rl.domains) > 1:
             cos = gradient_cosines(cfg, workdir, step, args.grad_rows)
             emit({"kind": "interference", "arm": arm, "seed": seed, "step": step, "cosine": cos})
+    if cfg.rl.gradient_projection:
+        emit({"kind": "projection", "arm": arm, "seed": seed} | projection_summary(workdir))
     _release_executables()
     return points
+
+
+def projection_summary(workdir: str) -> dict:
+    """Per-step projection metrics of a run (metrics.jsonl): mean conflicts and kept norm fraction, and the
+    GRPO gradients' cosine per domain pair (mean, min, max over steps that trained)."""
+    rows = []
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("train/projection/conflicts") is not None:
+                rows.append(r)
+    if not rows:
+        return {"steps": 0}
+    out = {
+        "steps": len(rows),
+        "conflicts_mean": float(np.mean([r["train/projection/conflicts"] for r in rows])),
+        "kept_mean": float(np.mean([r["train/projection/kept"] for r in rows])),
+    }
+    for name in sorted(k for k in rows[0] if k.startswith("train/projection/cosine/")):
+        values = [r[name] for r in rows]
+        pair = name.rsplit("/", 1)[1]
+        out[f"cosine/{pair}"] = {"mean": float(np.mean(values)), "min": min(values), "max": max(values)}
+    return out
 
 
 def _release_executables() -> None:

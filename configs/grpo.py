@@ -129,6 +129,9 @@ def _rl_table() -> dict:
         "curriculum_temperature": Float(1.0, "adaptive: shares ~ score ** (1 / T)", lo=0, lo_open=True),
         "curriculum_token_cost": Float(1.0, "compute of one generated token", lo=0),
         "curriculum_sandbox_second_cost": Float(1000.0, "compute of one sandbox second, in tokens", lo=0),
+        "gradient_projection": Bool(
+            False, "PCGrad between domains' gradients (one backward per domain; >= 2 domains)"
+        ),
         "quality_gate": Bool(True, "refuse domains that fail envs.qa (once, at start)"),
         "quality_gate_n": Int(4, "tasks per domain of the quality gate", lo=1),
         # --- rollout and environments

@@ -413,6 +413,7 @@ def make_batch(
     rows: int | None = None,
     pad_id: int = 0,
     routing: bool = False,
+    domains: Sequence[str] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The `rl.train_step` batch (numpy) and statistics. Groups are `Sample.group`.
 
@@ -424,6 +425,9 @@ def make_batch(
     of `max_len` tokens or more leaves nothing to train on and is an error. Rows are padded with empty rows
     (mask 0, advantage 0) to a multiple of `row_multiple` (e.g. data shards times micro-batches), or to
     exactly `rows` (the trainer's fixed [rows, max_len] shape: `length_bucket=max_len`).
+
+    `domains` adds `domain_B` int32: each row's index in `domains` (the gradient projection's split), -1
+    on padding rows.
 
     `routing=True` adds `expert_indices` [L_moe, B, T, k] int32: each sample's recorded routing
     (`Sample.expert_indices`) at its token positions, and experts 0..k-1 at padding (positions after a
@@ -462,6 +466,14 @@ def make_batch(
     }
     if routing:
         batch["expert_indices"] = _routing_batch(samples, b, t)
+    if domains is not None:
+        index = {d: i for i, d in enumerate(domains)}
+        unknown = sorted({s.task.domain for s in samples} - set(index))
+        if unknown:
+            raise ValueError(f"samples of domains {unknown} are not in domains={tuple(domains)}")
+        domain_B = np.full(b, -1, np.int32)
+        domain_B[: len(samples)] = [index[s.task.domain] for s in samples]
+        batch["domain_B"] = domain_B
     return batch, _stats(samples, lengths, t, mask_BT, advantages_B)
 
 

@@ -259,6 +259,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     max_len=cfg.seq_len,
                     rows=rows_here,
                     routing=rl.routing_replay,
+                    domains=tuple(rl.domains) if rl.gradient_projection else None,
                 )
             versions = [s.version for s in samples if s.version is not None]
             return pipeline.RolloutBatch(

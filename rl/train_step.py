@@ -16,6 +16,7 @@ Batch (dict of arrays; rows right-padded):
   proximal_logp_BT   f32    the policy's log-probs before the first update of this rollout batch; needed
                             when rl.ppo_epochs * rl.mini_batches > 1 (else the current policy is proximal)
   expert_indices     int32  [L, B, T, k] experts the sampler chose; needed when rl.routing_replay
+  domain_B           int32  the row's index in rl.domains (-1: padding); needed when rl.gradient_projection
 
 One rollout batch (`make_grpo_update`): reference log-probs of the frozen step-0 policy (when rl.loss.kl_kind
 is set), proximal log-probs of the current policy (once, when there is more than one update), then
@@ -31,6 +32,13 @@ micro-batch's share of the aggregation's units (trained tokens for "token-mean",
 "seq-mean-token-mean", rows otherwise). Each loss is a mean over its units, so the sum is exactly the
 full-batch loss and gradient. The MoE load-balance loss is a product of batch means and is the one term that
 is only averaged, not exact, under accumulation.
+
+Gradient projection (`rl.gradient_projection`, `rl/projection.py`): the loss is split by domain (the rows of
+each, `domain_B`, weighted by the domain's share of the units, so the split losses sum to the loss above);
+one forward, one backward per domain, accumulated per domain over micro-batches; PCGrad removes each
+domain's conflicting component against the others before the optimizer sees the sum. Metrics
+`projection/conflicts`, `projection/kept`, `projection/cosine/<a>|<b>`. D backward passes: D times the
+backward cost and D gradient buffers.
 
 Aux-loss-free balancing (sigmoid routers, `model.moe.bias_update_rate` > 0): every optimizer step moves each
 MoE layer's selection bias (`TrainState.model_state`, not a gradient-trained parameter) by
@@ -58,7 +66,7 @@ from model import seeds, sharding
 from model.moe import update_bias_state
 from model.mtp import mtp_loss
 from model.transformer import Transformer, build, next_token_loss
-from rl import distributed, grpo
+from rl import distributed, grpo, projection
 
 Batch = dict[str, jax.Array]
 BT = ("act_batch", "act_length")
@@ -71,6 +79,7 @@ BATCH_AXES = {
     "ref_logp_BT": BT,
     "proximal_logp_BT": BT,
     "expert_indices": (None, "act_batch", "act_length", None),
+    "domain_B": ("act_batch",),
 }
 SFT_KEYS = ("tokens_BT", "positions_BT", "mask_BT")
 
@@ -340,19 +349,16 @@ def make_logprobs(
     return on_mesh
 
 
-def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
-    """`w * GRPO loss + moe_loss / M` of one micro-batch, and its metrics (means weighted by w; extremes,
-    `*_max` / `*_min`, unweighted: the step takes their max / min over micro-batches; `expert_load`, for
-    the bias update, is popped by the step)."""
-    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
+def _policy_loss(cfg, logits_BTV: jax.Array, mb: Batch, mask_BT: jax.Array):
+    """The GRPO objective (and its metrics) over the tokens of `mask_BT`."""
     logp_BT = _token_logprobs(cfg, logits_BTV, mb["tokens_BT"])
     # One update per batch: the proximal policy is the current one (ratio 1, value and all).
     proximal_BT = mb.get("proximal_logp_BT", jax.lax.stop_gradient(logp_BT))
-    loss, metrics = grpo.loss_from_config(
+    return grpo.loss_from_config(
         logp_BT,
         proximal_BT,
         mb["advantages_B"],
-        mb["mask_BT"],
+        mask_BT,
         cfg=cfg.rl.loss,
         behaviour_logp_BT=mb["behaviour_logp_BT"],
         ref_logp_BT=mb.get("ref_logp_BT"),
@@ -360,7 +366,15 @@ def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
         if _filtered(cfg)
         else None,
     )
+
+
+def _grpo_metrics(cfg, logits_BTV, aux, mb: Batch, w, num_micro: int):
+    """(`w * GRPO loss + moe_loss / M` of the micro-batch, its metrics): see `_grpo_loss`."""
+    loss, metrics = _policy_loss(cfg, logits_BTV, mb, mb["mask_BT"])
     # Train-inference mismatch: the sampler's log-probs against the trainer's before any update.
+    proximal_BT = mb.get("proximal_logp_BT")
+    if proximal_BT is None:
+        proximal_BT = jax.lax.stop_gradient(_token_logprobs(cfg, logits_BTV, mb["tokens_BT"]))
     metrics.update(
         grpo.mismatch_metrics(proximal_BT, mb["behaviour_logp_BT"], mb["mask_BT"], band=cfg.rl.mismatch_band)
     )
@@ -369,6 +383,37 @@ def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
     metrics.update(moe_loss=moe, advantage_mean=jnp.mean(mb["advantages_B"]) / num_micro)
     metrics["loss"] = w * loss + moe
     return metrics["loss"], _with_load(metrics, aux)
+
+
+def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
+    """`w * GRPO loss + moe_loss / M` of one micro-batch, and its metrics (means weighted by w; extremes,
+    `*_max` / `*_min`, unweighted: the step takes their max / min over micro-batches; `expert_load`, for
+    the bias update, is popped by the step)."""
+    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
+    return _grpo_metrics(cfg, logits_BTV, aux, mb, w, num_micro)
+
+
+def _grpo_domain_losses(cfg, graphdef, params, mb: Batch, w, num_micro: int, *, units_fn, num_domains: int):
+    """([D] per-domain losses whose sum is `_grpo_loss`'s loss, the same metrics), for the gradient
+    projection: domain d's loss is the objective over its rows' tokens (`domain_B == d`) times its share of
+    the micro-batch's units (so each is `w_d * loss_d` with sum_d w_d = w), plus moe_loss / M times the
+    domain's share of the micro-batch's trained tokens."""
+    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
+    total, metrics = _grpo_metrics(cfg, logits_BTV, aux, mb, w, num_micro)
+    del total
+    mask_BT = mb["mask_BT"]
+    units = units_fn(mask_BT[None].astype(jnp.float32))[0]
+    tokens = mask_BT.sum()
+    moe = aux["moe_loss"] / num_micro
+    losses = []
+    for d in range(num_domains):
+        mask_d_BT = mask_BT * (mb["domain_B"] == d)[:, None].astype(mask_BT.dtype)
+        loss_d, _ = _policy_loss(cfg, logits_BTV, mb, mask_d_BT)
+        share = units_fn(mask_d_BT[None].astype(jnp.float32))[0] / jnp.maximum(units, 1e-30)
+        # The MoE loss by token share (shares sum to 1): a domain without rows has no gradient at all.
+        moe_share = jnp.where(tokens > 0, mask_d_BT.sum() / jnp.maximum(tokens, 1e-30), 1.0 / num_domains)
+        losses.append(w * jnp.where(units > 0, share, 0.0) * loss_d + moe_share * moe)
+    return jnp.stack(losses), metrics
 
 
 def _with_load(metrics: dict, aux: dict) -> dict:
@@ -418,7 +463,9 @@ def _split(x: jax.Array, axis: int, num_micro: int) -> jax.Array:
     return jnp.moveaxis(x, axis + 1, 0)
 
 
-def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
+def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn, domains: tuple[str, ...] | None = None):
+    """The jitted step; with `domains` (rl.gradient_projection) `loss_fn` returns one loss per domain and
+    the step projects the domains' gradients (rl/projection.py) before the optimizer sees their sum."""
     num_micro = int(cfg.rl.micro_batches)
     if num_micro < 1:
         raise ValueError(f"rl.micro_batches={num_micro} must be >= 1")
@@ -436,17 +483,31 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn):
         total = units_M.sum()
         w_M = jnp.where(total > 0, units_M / jnp.maximum(total, 1e-30), 1.0 / num_micro)
 
+        def gradient(mb, w):
+            if domains is None:
+                grad_fn = jax.grad(lambda p: loss_fn(cfg, model_def, p, mb, w, num_micro), has_aux=True)
+                return grad_fn(state.params)
+            # One forward, one backward per domain (a vmap over the one-hot cotangents): g_D, [D, ...] leaves.
+            losses_D, vjp_fn, metrics = jax.vjp(
+                lambda p: loss_fn(cfg, model_def, p, mb, w, num_micro), state.params, has_aux=True
+            )
+            eye_DD = jnp.eye(losses_D.shape[0], dtype=losses_D.dtype)
+            return jax.vmap(lambda ct: vjp_fn(ct)[0])(eye_DD), metrics
+
         def body(grads, xs):
             mb, w = xs
             mb = {k: sharding.constrain(v, BATCH_AXES[k], rules) for k, v in mb.items()}
-            grad_fn = jax.grad(lambda p: loss_fn(cfg, model_def, p, mb, w, num_micro), has_aux=True)
-            g, metrics = grad_fn(state.params)
+            g, metrics = gradient(mb, w)
             return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), metrics
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        lead = () if domains is None else (len(domains),)
+        zeros = jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), state.params)
         grads, metrics_M = jax.lax.scan(body, zeros, (micro, w_M))
         load_MLE = metrics_M.pop("expert_load", None)
         metrics = {k: _reduce_micro(k, v) for k, v in metrics_M.items()}
+        if domains is not None:
+            grads, projected = projection.project(grads, domains)
+            metrics.update(projected)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         model_state = state.model_state
@@ -521,6 +582,8 @@ def grpo_batch_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
         keys += ("proximal_logp_BT",)
     if cfg.rl.routing_replay:
         keys += ("expert_indices",)
+    if cfg.rl.get("gradient_projection", False):
+        keys += ("domain_B",)
     return keys
 
 
@@ -533,7 +596,11 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shard
     """`step_fn(state, batch) -> (state, metrics)`: one GRPO update (see the module docstring)."""
     grpo.validate_loss_config(cfg.rl.loss)
     units = lambda mask_MBT: _units_M(cfg.rl.loss.aggregation, mask_MBT)
-    return _make_step(cfg, graphdef, mesh, grpo_batch_keys(cfg), _grpo_loss, units)
+    if not cfg.rl.get("gradient_projection", False):
+        return _make_step(cfg, graphdef, mesh, grpo_batch_keys(cfg), _grpo_loss, units)
+    domains = tuple(cfg.rl.domains)
+    loss = functools.partial(_grpo_domain_losses, units_fn=units, num_domains=len(domains))
+    return _make_step(cfg, graphdef, mesh, grpo_batch_keys(cfg), loss, units, domains)
 
 
 def make_sft_step(

@@ -134,6 +134,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         "needs multi-token-prediction modules (model.mtp_layers > 0; with rl.init_from, the checkpoint's "
         f"num_nextn_predict_layers); the model has {cfg.model.mtp_layers}",
     )
+    _check(
+        not rl.gradient_projection or len(rl.domains) >= 2,
+        "gradient_projection",
+        rl.gradient_projection,
+        f"projects one domain's gradient against another's: it needs two or more rl.domains, not "
+        f"{tuple(rl.domains)} (set rl.gradient_projection=False)",
+    )
     _check_domains(cfg, registry, curriculum)
     _check_engine(cfg)
 

@@ -333,7 +333,7 @@ def test_32_concurrent_clients(live, reference):
     _released(live, "tiny")
 
 
-def test_disconnect_mid_stream_frees_the_slot(live):
+def test_disconnect_mid_stream_frees_the_slot(live, monkeypatch):
     loop = live.server.loops["tiny"]
     before, cancelled = loop.engine.stats().get("cancelled", 0), loop.metrics.requests["cancelled"]
     c = live.client()
@@ -347,7 +347,12 @@ def test_disconnect_mid_stream_frees_the_slot(live):
     c.close()
     eng = _released(live, "tiny")
     assert eng.stats()["cancelled"] == before + 1  # dropped by the disconnect, not finished
-    # Without streaming: the handler notices the closed connection while it waits.
+    # Without streaming: the handler notices the closed connection while it waits (it looks every
+    # serve.DISCONNECT_POLL_S = 0.1 s). On a quiet machine the tiny model decoded both waves (2 x 90 steps)
+    # before the first look, so nothing was left to cancel: each engine step now waits 10 ms first (>= 1.8 s
+    # for the request, well past the poll).
+    step = loop.engine.step
+    monkeypatch.setattr(loop.engine, "step", lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1])
     long = {"model": "tiny", "prompt": "gone", "max_tokens": 90, "n": MAX_N, "ignore_eos": True}  # 2 waves
     body = json.dumps(long).encode()
     with socket.create_connection(("127.0.0.1", live.port), timeout=30) as sock:
@@ -355,6 +360,7 @@ def test_disconnect_mid_stream_frees_the_slot(live):
         sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         assert _poll(lambda: loop.outstanding == MAX_N, 30)
     eng = _released(live, "tiny")
+    monkeypatch.undo()
     assert eng.stats()["cancelled"] > before + 1
     assert loop.metrics.requests["cancelled"] == cancelled + 2
 

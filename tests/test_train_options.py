@@ -69,6 +69,28 @@ def test_ppo_epochs_kl_top_k_and_env_kwargs(tmp_path):
     assert episodes and all(e["metadata"]["delay_s"] > 0 for e in episodes)
 
 
+def test_gradient_projection_between_domains(tmp_path):
+    """rl.gradient_projection: rows carry their domain to the step, which reports the projection of every
+    step (the arithmetic of the projection is checked in tests/test_projection.py)."""
+    from rl import train
+
+    cfg = _cfg(steps=2, checkpoint_every=2, domains=("debug", "arith"), gradient_projection=True)
+    out = train.train(cfg, str(tmp_path), run_eval=False)
+    assert out["steps"] == 2 and out["engine"]["compiles_after_warmup"] == 0
+    steps = [r for r in _steps(tmp_path) if r["train/loss"] is not None]
+    assert steps
+    for r in steps:
+        assert np.isfinite(r["train/loss"]) and np.isfinite(r["train/grad_norm"])
+        cosine = r["train/projection/cosine/debug|arith"]
+        assert -1.0 - 1e-6 <= cosine <= 1.0 + 1e-6
+        assert r["train/projection/conflicts"] in (0.0, 1.0, 2.0)
+        # Rows of both domains kept: both gradients are non-zero, so their cosine is defined and non-zero;
+        # rows of debug alone: arith's gradient is zero, its cosine 0 and nothing projected.
+        both = r.get("rollout/samples/arith", 0) > 0 and r.get("rollout/samples/debug", 0) > 0
+        assert (cosine != 0.0) == both, r
+        assert both or r["train/projection/kept"] == 1.0
+
+
 def test_disaggregated_sampler_with_delta_weight_sync(tmp_path):
     """rl.sampler_devices=4: the trainer's mesh takes 4 of the 8 fake devices, the engine the other 4; the
     weights go device to device after every update, only the changed leaves (weight_sync_delta=0)."""
