@@ -181,6 +181,12 @@ def _rl_table() -> dict:
         "engine.prefill_batch": Int(4, "rows per prefill call, a power of two", lo=1),
         "engine.min_bucket": Int(16, "shortest prefill / score length bucket, a power of two", lo=1),
         "engine.score_batch": Int(8, "rows per scoring call, a power of two", lo=1),
+        "engine.decode_steps": Int(
+            0,
+            "decode steps per device call of plain decoding (a finished row idles at most this - 1); "
+            "0: 8 without a drafter, 1 with one (a speculative step is one call)",
+            lo=0,
+        ),
         "engine.scheduler": Choice(
             "continuous", "continuous batching or static batches", ("continuous", "static")
         ),

@@ -5,7 +5,9 @@ chunked prefill, copy-on-write forks of the n samples of a prompt, continuous or
 preemption are `inference.scheduler`'s. Every decode step feeds each active row its pending token and
 samples the next one, so all samples draw their first token with their own key. With a drafter the step
 proposes k tokens, verifies them with one target forward over k + 1 positions and rolls the pages back past
-the first rejection.
+the first rejection. Without one, `EngineConfig.decode_steps` = N > 1 runs up to N decode steps per device
+call (`steps.decode_many`: sampling, stop tokens and lengths checked on the device, the same per-token keys,
+so the same tokens as N single steps); the host admits and retires sequences between calls.
 
 Streaming use: `submit` queues requests, `step` runs one scheduler step and returns the completions that
 finished, `in_flight` shows how far the unfinished ones got and `cancel` drops a request (its pages freed);
@@ -119,6 +121,11 @@ class Engine(Scheduler):
         if draft is not None and e.host_cache_pages:
             raise ValueError(
                 "engine.host_cache_pages must be 0 with a drafter (the host tier moves target pages only)."
+            )
+        if draft is not None and e.decode_steps > 1:
+            raise ValueError(
+                f"engine.decode_steps={e.decode_steps} must be 1 with a drafter (each speculative step is "
+                "one device call: k drafts and one verification); multi-step calls are for plain decoding."
             )
         self.draft = draft
         self._resample_from = "residual"  # "p": the deliberately biased variant, for the tests only
@@ -385,7 +392,10 @@ class Engine(Scheduler):
             keys = tuple(zeros(rows) for _ in range(4))
             table = zeros(rows, e.pages_per_seq)
             dummy = steps.Rows(zeros(rows), table, zeros(rows), zeros(rows), arrays, keys)
-            if self.draft is None:
+            if self._decode_many is not None:
+                stop_BS = np.full((rows, e.max_stop_tokens), -1, np.int32)
+                self.kv, *_ = self._decode_many(self.params, self.kv, dummy, stop_BS, zeros(rows))
+            elif self.draft is None:
                 self.kv, *_ = self._decode(self.params, self.kv, dummy)
             else:
                 self._run_spec(dummy, zeros(rows, e.num_draft), zeros(rows))
@@ -446,14 +456,48 @@ class Engine(Scheduler):
             )
         if any(not 0 <= t < self.vocab for t in p.stop_tokens):
             raise ValueError(f"stop_tokens={p.stop_tokens} must be ids in [0, {self.vocab}).")
+        if self.ecfg.decode_steps > 1 and len(p.stop_tokens) > self.ecfg.max_stop_tokens:
+            raise ValueError(
+                f"prompts[{i}]: {len(p.stop_tokens)} stop_tokens, more than engine.max_stop_tokens="
+                f"{self.ecfg.max_stop_tokens} (the device checks that many with engine.decode_steps > 1); "
+                "raise max_stop_tokens."
+            )
 
     def _decode_step(self, active) -> list[Seq]:
+        if self._decode_many is not None:
+            return self._decode_many_step(active)
         active = self._grow(active, 1)
         self.kv, nxt, logp, raw = self._decode(self.params, self.kv, self._rows(active))
         nxt, logp, raw = jax.device_get((nxt, logp, raw))
         self._stats["target_row_forwards"] += len(active)
         self._stats["decode_steps"] += 1
         return [seq for b, seq in active if self._emit(seq, [nxt[b]], [logp[b]], [raw[b]])]
+
+    def _decode_many_step(self, active) -> list[Seq]:
+        """Up to decode_steps tokens per row in one call (`steps.decode_many`); each row reserves pages for
+        the tokens it may still emit and gives back those it did not use."""
+        e = self.ecfg
+        budget = lambda seq: min(e.decode_steps, seq.params.max_new_tokens - len(seq.tokens))
+        active = self._grow(active, budget)
+        stop_BS = np.full((e.max_batch, e.max_stop_tokens), -1, np.int32)
+        budget_B = np.zeros(e.max_batch, np.int32)
+        for b, seq in active:
+            stop_BS[b, : len(seq.params.stop_tokens)] = seq.params.stop_tokens
+            budget_B[b] = budget(seq)
+        rows = self._rows(active)
+        self.kv, *out = self._decode_many(self.params, self.kv, rows, stop_BS, budget_B)
+        tokens, logp, raw, count = jax.device_get(out)
+        self._stats["target_row_forwards"] += int(count.sum())
+        self._stats["decode_steps"] += int(count.max(initial=0))
+        self._stats["decode_calls"] += 1
+        finished = []
+        for b, seq in active:
+            c = int(count[b])
+            if self._emit(seq, tokens[b, :c], logp[b, :c], raw[b, :c]):
+                finished.append(seq)
+            else:  # the unused reserved slots go back
+                self.table.truncate(seq.id, int(rows.start_B[b]) + c)
+        return finished
 
     def _propose(self, seq: Seq, k: int) -> list[int]:
         if isinstance(self.draft, GroupDrafter):
@@ -556,6 +600,9 @@ class Engine(Scheduler):
         g, e, place = self._graphdef, self.ecfg, self._placement()
         self._prefill_fn = steps.jitted("prefill", g, place=place)
         self._decode = steps.jitted("decode", g, place=place)
+        self._decode_many = (
+            steps.jitted("decode_many", g, e.decode_steps, place=place) if e.decode_steps > 1 else None
+        )
         self._score = steps.jitted("score", g, place=place)
         self._copy = steps.jitted("copy", place=place)
         self._copy_draft = self._copy_mtp = self._copy

@@ -32,6 +32,12 @@ class EngineConfig:
     # experts (int8), else 2 * L_moe * k (int16); e.g. 58 MoE layers, top-8 of 256 experts: 928 B per token
     # (K/V: 2 * L * K * H * dtype bytes). Needs host_cache_pages = 0.
     record_routing: bool = False
+    # Plain decoding: tokens per device call (a `lax.while_loop` of decode steps with on-device sampling and
+    # stop / length checks; the host admits and retires sequences between calls, so a row that finishes
+    # idles at most decode_steps - 1 steps). 1: one step per call. Not used with a drafter.
+    decode_steps: int = 1
+    # With decode_steps > 1: the most stop tokens one request may give (the device checks a fixed-width row).
+    max_stop_tokens: int = 8
 
     def __post_init__(self) -> None:
         for name in (
@@ -43,6 +49,8 @@ class EngineConfig:
             "min_bucket",
             "num_draft",
             "score_batch",
+            "decode_steps",
+            "max_stop_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1.")

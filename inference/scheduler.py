@@ -170,14 +170,16 @@ class Scheduler:
                 k, v = kv_pages.gather_pages(self.kv["k"], self.kv["v"], padded)
                 self.prefix.offload(pages, k[:, : len(pages)], v[:, : len(pages)])
 
-    def _grow(self, active: list[tuple[int, Seq]], n: int) -> list[tuple[int, Seq]]:
-        """Reserves n more slots for each active sequence (preempting the youngest when out of pages) and
-        applies the copy-on-write copies. Returns the rows still active."""
+    def _grow(self, active: list[tuple[int, Seq]], n) -> list[tuple[int, Seq]]:
+        """Reserves n more slots for each active sequence (`n` an int, or a function of the sequence),
+        preempting the youngest when out of pages, and applies the copy-on-write copies. Returns the rows
+        still active."""
         copies, grown = {}, []
         for b, seq in sorted(active, key=lambda a: a[1].admitted):
             while seq in self._slots:  # (a sequence preempted for an older one is skipped)
                 try:
-                    copies[seq.id] = self.table.append_tokens(seq.id, n).copies
+                    grow = n if isinstance(n, int) else n(seq)
+                    copies[seq.id] = self.table.append_tokens(seq.id, grow).copies
                     grown.append((b, seq))
                     break
                 except kv_pages.OutOfPages:

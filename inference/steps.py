@@ -100,6 +100,65 @@ def decode(graphdef, params, kv, rows: Rows):
     return kv, next_B, logp_B, sampling.raw_logprobs(logits_BV, next_B)
 
 
+def decode_many(graphdef, params, kv, rows: Rows, stop_BS, budget_B, *, num_steps: int):
+    """Up to `num_steps` tokens per active row in one device call: a `lax.while_loop` of `decode` steps.
+
+    A row's token at loop step i is drawn with the key of step `rows.keys` step + i (the key one `decode` call
+    per token would use), so the tokens are those of `num_steps` single steps. A row stops after a token in
+    its `stop_BS` row (padded with -1) or after `budget_B` tokens; a stopped row is fed as inactive (no K/V
+    written) until the loop ends, which it does after num_steps steps or when no row is active. The pages of
+    positions start .. start + budget - 1 must be reserved. N = num_steps. Returns (kv, tokens_BN,
+    logp_BN, raw_BN, count_B): the first count_B entries of each row are its tokens."""
+    b, n = rows.pending_B.shape[0], num_steps
+    seed_B, request_B, sample_B, step_B = rows.keys
+
+    def cond(carry):
+        i, _, _, active_B, *_ = carry
+        return (i < n) & jnp.any(active_B > 0)
+
+    def body(carry):
+        i, kv, pending_B, active_B, tokens_BN, logp_BN, raw_BN, count_B = carry
+        step_rows = rows._replace(
+            pending_B=pending_B,
+            start_B=rows.start_B + i,
+            active_B=active_B,
+            keys=(seed_B, request_B, sample_B, step_B + i),
+        )
+        kv, next_B, logp_B, raw_B = decode(graphdef, params, kv, step_rows)
+        live_B = active_B > 0
+        put = lambda out_BN, x_B: jax.lax.dynamic_update_slice_in_dim(
+            out_BN, jnp.where(live_B, x_B, jnp.zeros_like(x_B))[:, None], i, axis=1
+        )
+        count_B = count_B + live_B.astype(jnp.int32)
+        stopped_B = jnp.any(next_B[:, None] == stop_BS, axis=1) | (count_B >= budget_B)
+        active_B = jnp.where(live_B & ~stopped_B, 1, 0).astype(active_B.dtype)
+        pending_B = jnp.where(live_B, next_B, pending_B)
+        return (
+            i + 1,
+            kv,
+            pending_B,
+            active_B,
+            put(tokens_BN, next_B),
+            put(logp_BN, logp_B),
+            put(raw_BN, raw_B),
+            count_B,
+        )
+
+    zeros = lambda dtype: jnp.zeros((b, n), dtype)
+    init = (
+        jnp.int32(0),
+        kv,
+        rows.pending_B,
+        rows.active_B,
+        zeros(jnp.int32),
+        zeros(jnp.float32),
+        zeros(jnp.float32),
+        jnp.zeros((b,), jnp.int32),
+    )
+    _, kv, _, _, tokens_BN, logp_BN, raw_BN, count_B = jax.lax.while_loop(cond, body, init)
+    return kv, tokens_BN, logp_BN, raw_BN, count_B
+
+
 def _verify(
     graphdef, params, kv, rows: Rows, draft_BK, draft_logp_BKV, num_draft_B, resample_from, hidden=False
 ):
@@ -287,6 +346,7 @@ def copy_pages(kv: dict, src_N, dst_N) -> dict:
 _SIGNATURES = {
     "prefill": (("params", "kv", None, None, None, None), "kv"),
     "decode": (("params", "kv", None), ("kv", None, None, None)),
+    "decode_many": (("params", "kv", None, None, None), ("kv", None, None, None, None)),
     "score": (("params", None, None), (None, None)),
     "copy": (("kv", None, None), "kv"),
     "spec_model": (
@@ -306,6 +366,9 @@ def _function(kind: str, static: tuple):
     """(the step over its static arguments, donated argument numbers)."""
     if kind in ("prefill", "decode"):
         return functools.partial(prefill if kind == "prefill" else decode, *static), (1,)
+    if kind == "decode_many":
+        g, num_steps = static
+        return functools.partial(decode_many, g, num_steps=num_steps), (1,)
     if kind == "score":
         return functools.partial(score, *static), ()
     if kind == "copy":

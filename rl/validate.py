@@ -15,6 +15,7 @@ import ml_collections
 
 from model.config import ConfigError
 
+DECODE_STEPS = 8  # rl.engine.decode_steps=0 without a drafter: tokens per device call
 ENGINE_EXTRAS = ("draft", "draft_ngram")  # rl.engine fields the main job reads; the rest are EngineConfig's
 
 
@@ -36,6 +37,8 @@ def engine_config(cfg: ml_collections.ConfigDict):
 
     fields = {k: v for k, v in cfg.rl.engine.items() if k not in ENGINE_EXTRAS}
     fields["max_seq_len"] = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+    if not fields.get("decode_steps"):
+        fields["decode_steps"] = 1 if cfg.rl.engine.draft != "none" else DECODE_STEPS
     if cfg.rl.routing_replay:
         fields["record_routing"] = True
     try:
@@ -221,6 +224,12 @@ def _check_engine(cfg) -> None:
     rl = cfg.rl
     e = rl.engine
     engine_config(cfg)
+    _check(
+        e.draft == "none" or e.decode_steps in (0, 1),
+        "engine.decode_steps",
+        e.decode_steps,
+        f"must be 0 or 1 with rl.engine.draft={e.draft!r} (a speculative step is one device call)",
+    )
     _check(
         e.draft != "mtp" or cfg.model.mtp_layers >= 1,
         "engine.draft",

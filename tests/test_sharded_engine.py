@@ -242,6 +242,21 @@ def test_no_recompiles_after_warmup_on_the_mesh(target, sharded):
     assert sharded.stats()["compiles_after_warmup"] == 0
 
 
+def test_decode_steps_on_the_mesh_give_the_same_tokens(target, reference, tp_mesh):
+    # engine.decode_steps: the while_loop of decode steps under the mesh's shardings (one call per 4 tokens).
+    cfg, params = target
+    eng = Engine(cfg, params, dataclasses.replace(ECFG, decode_steps=4), mesh=tp_mesh)
+    eng.warmup()
+    prompts = _prompts(15, [6, 19, 2])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=11, n=2, seed=9)
+    want, got = reference.generate(prompts, sp), eng.generate(prompts, sp)
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=LOGP_ATOL)
+    assert eng.stats()["decode_calls"] == 2 * 3  # 6 sequences in 4 slots: two waves of ceil(11 / 4) calls
+    assert eng.stats()["compiles_after_warmup"] == 0
+
+
 def test_host_tier_on_the_mesh_keeps_the_pages_sharded(target, reference, tp_mesh):
     cfg, params = target
     eng = Engine(cfg, params, dataclasses.replace(ECFG, host_cache_pages=32), mesh=tp_mesh)
