@@ -55,12 +55,14 @@ import numpy as np
 # The repo root first: benchmarks/rl.py and benchmarks/envs.py would shadow the `rl` and `envs` packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import matmul_peak  # noqa: E402
 from decode import PEER_DIMS, PEER_MOE, emit, model_config  # noqa: E402
 
 from configs import grpo as grpo_config  # noqa: E402
 from configs import schema  # noqa: E402
 from envs import Score, Task  # noqa: E402
 from inference import Engine  # noqa: E402
+from model import plan  # noqa: E402
 from rl import distributed, rollout, train_step, validate  # noqa: E402
 from rl.train import _reference, _weight_sync  # noqa: E402  (the main job's own reference copy and sync)
 
@@ -96,6 +98,10 @@ def grpo_cfg(arch: str):
     # optax.adamw(1e-4) as the peer has it: constant lr, its default weight decay; our clipping stays.
     rl.optim.update(lr=SHAPES["lr"], warmup_steps=0, min_lr_ratio=1.0, weight_decay=1e-4)
     rl.max_attempts, rl.quality_gate = 1, False
+    # The engine sized for the step, as the peer's sampler is (batch 16, its cache the prompt + new tokens):
+    # one decode slot per row (the default 32 slots would run 16 idle rows every decode step) and one
+    # prefill length bucket past the 31-token contexts.
+    rl.engine.update(max_batch=rl.prompts_per_step * rl.group_size, prefill_chunk=32)
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     validate.validate(cfg)
@@ -268,6 +274,21 @@ def run_ours(arch: str, steps: int) -> dict:
     )
     median = statistics.median(step_s[1:]) if steps else None
     rows = cfg.batch_size
+    # Train phase MFU: the policy's forward + backward and the reference forward over the [rows, seq_len]
+    # batch (model.plan's matmul FLOPs), against the f32 matmul peak measured in this process.
+    tokens = rows * cfg.seq_len
+    flops = {
+        "train": plan.flops_per_token(cfg, cfg.seq_len, training=True) * tokens,
+        "reference_logprobs": plan.flops_per_token(cfg, cfg.seq_len, training=False) * tokens,
+    }
+    peak = matmul_peak.measure(sizes=(2048,))["peak_flops"]
+    mfu = {}
+    if steps:
+        for name, f in flops.items():
+            seconds = statistics.median(p[name] for p in per_step[1:])
+            mfu[name] = {"gflop": round(f / 1e9, 2), "gflop_s": round(f / seconds / 1e9, 1)}
+            mfu[name]["mfu"] = round(f / seconds / peak, 4)
+        mfu["peak_gflop_s"] = round(peak / 1e9, 1)
     return {
         "bench": "grpo_step",
         "arch": arch,
@@ -300,6 +321,7 @@ def run_ours(arch: str, steps: int) -> dict:
         }
         if steps
         else None,
+        "train_mfu": mfu,
         "generated_tokens_mean": [r["generated_tokens_mean"] for r in records],
         "stop_fraction_max": max(r["stop_fraction"] for r in records),
         "dropped_zero_variance_groups": sum(r.get("dropped_zero_variance_groups", 0) for r in records),
