@@ -12,16 +12,21 @@ with every headline figure, its target and whether it was met:
   sequential calls, and one call with the prefix cache off).
 - speculative: a target and a drafter (<= 1/8 of its FLOPs per token) trained briefly on a sparse order-1
   Markov chain, then decoded from prompts of that chain at T=1 and greedy: acceptance, tokens per target
-  forward vs (1 - a^(k+1)) / (1 - a), wall-clock speedup over plain decoding, greedy outputs identical,
+  forward vs (1 - a^(k+1)) / (1 - a), wall-clock speedup over plain decoding (batch 16, and by batch
+  --spec_batches with engines sized to the batch, against one step and 8 steps per call), greedy identical,
   chi-square of the first two tokens (T=1, plain and speculative) against the target's exact distribution;
   then NgramDrafter(3) on repetitive prompts (greedy walks of the chain).
-- peer: our tok/s vs transformers `generate` (--peer_script, default ../shared/peers/hf_generate_bench.py
-  beside this checkout, a subprocess) on the
-  same shapes: 16 x 32-token prompts, 64 new tokens, T=1, dense and MoE.
+- peer: our tok/s (engine.decode_steps=8, the main job's default, and 1) vs transformers `generate`
+  (--hf_python: a venv with torch + transformers; --peer_script, default ../shared/peers/hf_generate_bench.py
+  beside this checkout) and the Tunix sampler (--tunix_python: a venv with google-tunix; --tunix_script,
+  default ../shared/peers/tunix_sampler_bench.py), each a subprocess, on the same shapes: 16 x 32-token
+  prompts, 64 new tokens, T=1, dense and MoE; every side one warmup call and --peer_repeats timed calls.
 - recompiles: stats()["compiles_after_warmup"] of every engine above (all must be 0).
 
     python benchmarks/decode.py --sections=cache,continuous --quick
     python benchmarks/decode.py --sections=speculative --train_steps=150
+    python benchmarks/decode.py --sections=peer --hf_python=../venv-hf/bin/python \
+        --tunix_python=../venv-tunix/bin/python
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ SECTIONS = ("cache", "continuous", "prefill", "speculative", "peer")
 PEER_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers", "hf_generate_bench.py"
 )
+TUNIX_SCRIPT = os.path.join(os.path.dirname(PEER_SCRIPT), "tunix_sampler_bench.py")
 # Peer dims (the peers' README figures use them): 4 layers, d_model 256, 4/2 heads of 64, vocab 8192.
 PEER_DIMS = dict(layers=4, d_model=256, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=8192)
 PEER_MOE = dict(experts=8, top_k=2, expert_ffn=256)
@@ -64,6 +70,10 @@ BRANCH_PROBS = (0.6, 0.25, 0.1, 0.05)  # successor probabilities of every state 
 TARGETS = dict(
     cache_speedup=10.0, continuous_vs_static=1.5, spec_speedup=2.0, draft_flops_ratio=1 / 8, chi2_p=1e-3
 )
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def model_config(
@@ -424,6 +434,30 @@ def section_speculative(a, engines: Engines) -> list[dict]:
             "spec_tok_s": round(d["generated_tokens"] / sec_s, 1),
             "speedup": round(sec_p / sec_s, 2),
         }
+    # Latency-bound batches (engines sized to the batch, as a server at that batch would be), T=1, against
+    # plain decoding one step per call and engine.decode_steps=8 steps per call (the main job's default).
+    sp = SamplingParams(temperature=1.0, max_new_tokens=a.spec_new, seed=5)
+    line["by_batch"] = {}
+    for batch in [int(b) for b in a.spec_batches.split(",")]:
+        kw = dict(kwargs, max_batch=batch, prefill_batch=min(pow2_floor(batch), 16))
+        engs = {
+            "plain": plain if batch == 16 else engines.make(f"spec_plain_b{batch}", tcfg, tparams, **kw),
+            "plain_n8": engines.make(f"spec_plain_n8_b{batch}", tcfg, tparams, decode_steps=8, **kw),
+            "spec": spec
+            if batch == 16
+            else engines.make(f"spec_model_b{batch}", tcfg, tparams, draft=ModelDrafter(dcfg, dparams), **kw),
+        }
+        sec, delta = {}, {}
+        for name, eng in engs.items():
+            _, sec[name], delta[name] = best_run(eng, prompts[:batch], sp, a.repeats)
+        d = delta["spec"]
+        line["by_batch"][f"b{batch}"] = {
+            "acceptance_rate": round(d["accepted_tokens"] / max(d["proposed_tokens"], 1), 4),
+            "tokens_per_target_forward": round(d["generated_tokens"] / d["target_row_forwards"], 3),
+            **{f"{name}_s": round(t, 3) for name, t in sec.items()},
+            "speedup": round(sec["plain"] / sec["spec"], 2),
+            "speedup_vs_decode_steps_8": round(sec["plain_n8"] / sec["spec"], 2),
+        }
     out_p, out_s = outputs["greedy"]
     same = sum(x.tokens == y.tokens for x, y in zip(out_p, out_s))
     line["greedy_identical"] = f"{same}/{len(out_p)}"
@@ -438,9 +472,9 @@ def section_speculative(a, engines: Engines) -> list[dict]:
         "samples": a.chi2_samples,
         **{name: chi_square(v, exact) for name, v in pairs.items()},
     }
-    speedup = line["t1"]["speedup"]
-    line["target"] = TARGETS["spec_speedup"]
-    line["met"] = speedup >= TARGETS["spec_speedup"] and same == len(out_p)
+    small = [v["speedup"] for k, v in line["by_batch"].items() if int(k[1:]) <= 4]
+    line["target"] = f"speedup >= {TARGETS['spec_speedup']} at batch 1-4, greedy identical"
+    line["met"] = bool(small) and min(small) >= TARGETS["spec_speedup"] and same == len(out_p)
     lines.append(emit(line))
 
     # Prompt lookup: greedy walks of the chain (they cycle), no draft model.
@@ -474,82 +508,83 @@ def section_speculative(a, engines: Engines) -> list[dict]:
 # --- peer: transformers generate on the same shapes -----------------------------------------------------
 
 
+def peer_command(python: str, script: str, arch: str, repeats: int) -> list[str]:
+    """The peer script's command line on the anchor shapes (both peers take the same flags)."""
+    d, moe = PEER_DIMS, arch == "qwen3moe"
+    cmd = [python, script, "--arch", arch, "--layers", str(d["layers"]), "--d-model", str(d["d_model"])]
+    cmd += ["--heads", str(d["heads"]), "--kv-heads", str(d["kv_heads"]), "--head-dim", str(d["head_dim"])]
+    cmd += ["--vocab", str(d["vocab"]), "--batches", "16", "--prompt-len", "32", "--new-tokens", "64"]
+    cmd += ["--temperature", "1.0", "--repeats", str(repeats)]
+    if moe:
+        cmd += ["--ffn", str(PEER_MOE["expert_ffn"]), "--experts", str(PEER_MOE["experts"])]
+        return cmd + ["--top-k", str(PEER_MOE["top_k"])]
+    return cmd + ["--ffn", str(d["ffn"])]
+
+
+def run_peer(name: str, python: str, script: str, arch: str, repeats: int) -> dict:
+    """{name_tok_s, name_call_s, name_versions} from the peer's JSON line, or name_error."""
+    proc = subprocess.run(
+        peer_command(python, script, arch, repeats), capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode:
+        return {f"{name}_error": proc.stderr.strip().splitlines()[-1:]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    run16 = out["runs"]["b16"]
+    return {
+        f"{name}_tok_s": run16["tok_per_s"],
+        f"{name}_call_s": run16["call_s_all"],
+        f"{name}_versions": out["versions"],
+    }
+
+
 def section_peer(a, engines: Engines, dense_eng: Engine) -> list[dict]:
+    """Ours (engine.decode_steps=8, the main job's default, and 1) vs each peer given by interpreter, on the
+    anchor shapes: every side one warmup call, then --peer_repeats timed calls of 16 fresh prompts (no
+    prefix-cache hits), median."""
+    peers = [
+        (name, python, script)
+        for name, python, script in (
+            ("transformers", a.hf_python, a.peer_script),
+            ("tunix", a.tunix_python, a.tunix_script),
+        )
+        if python
+    ]
     lines = []
     for arch in a.peer_archs.split(","):
         moe = arch == "qwen3moe"
-        if moe:
-            cfg = model_config(**PEER_DIMS, **PEER_MOE)
-            params = nnx.state(model.build(cfg, seed=0), nnx.Param)
-            eng = engines.make("peer_moe", cfg, params, **peer_engine_kwargs())
-        else:
-            eng = dense_eng
-        rng = np.random.default_rng(8)
-        times = []
-        for r in range(a.peer_repeats):
-            prompts = random_prompts(rng, 16, 32, PEER_DIMS["vocab"])  # fresh prompts: no prefix-cache hits
-            _, seconds, delta = run(eng, prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=r))
-            times.append(seconds)
-        ours = 16 * 64 / float(np.median(times))
-        d = PEER_DIMS
-        cmd = [
-            sys.executable,
-            PEER_SCRIPT,
-            "--arch",
-            arch,
-            "--layers",
-            str(d["layers"]),
-            "--d-model",
-            str(d["d_model"]),
-            "--heads",
-            str(d["heads"]),
-            "--kv-heads",
-            str(d["kv_heads"]),
-            "--head-dim",
-            str(d["head_dim"]),
-            "--vocab",
-            str(d["vocab"]),
-            "--batches",
-            "16",
-            "--prompt-len",
-            "32",
-            "--new-tokens",
-            "64",
-            "--temperature",
-            "1.0",
-            "--repeats",
-            str(a.peer_repeats),
-        ]
-        if moe:
-            cmd += [
-                "--ffn",
-                str(PEER_MOE["expert_ffn"]),
-                "--experts",
-                str(PEER_MOE["experts"]),
-                "--top-k",
-                str(PEER_MOE["top_k"]),
-            ]
-        else:
-            cmd += ["--ffn", str(d["ffn"])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        cfg = model_config(**PEER_DIMS, **(PEER_MOE if moe else {}))
+        params = nnx.state(model.build(cfg, seed=0), nnx.Param)
         line = {
             "bench": "decode_peer",
             "arch": arch,
             "shapes": "16 x 32-token prompts, 64 new tokens, T=1",
-            "ours_tok_s": round(ours, 1),
-            "ours_call_s": [round(t, 3) for t in times],
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         }
-        if proc.returncode:
-            line["peer_error"] = proc.stderr.strip().splitlines()[-1:]
-        else:
-            hf = json.loads(proc.stdout.strip().splitlines()[-1])
-            run16 = hf["runs"]["b16"]
-            line.update(
-                transformers_tok_s=run16["tok_per_s"],
-                transformers_call_s=run16["call_s_all"],
-                transformers_versions=hf["versions"],
-                ours_vs_transformers=round(ours / run16["tok_per_s"], 2),
-            )
+        for steps in (8, 1):
+            if steps == 1 and not moe:
+                eng = dense_eng
+            else:
+                eng = engines.make(
+                    f"peer_{arch}_n{steps}", cfg, params, **peer_engine_kwargs(), decode_steps=steps
+                )
+            rng = np.random.default_rng(8)
+            warm = random_prompts(rng, 16, 32, PEER_DIMS["vocab"])
+            run(
+                eng, warm, SamplingParams(temperature=1.0, max_new_tokens=64, seed=99)
+            )  # the peers' warmup call
+            times = []
+            for r in range(a.peer_repeats):
+                prompts = random_prompts(rng, 16, 32, PEER_DIMS["vocab"])
+                _, seconds, _ = run(eng, prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=r))
+                times.append(seconds)
+            key = "ours" if steps == 8 else "ours_decode_steps_1"
+            line[f"{key}_tok_s"] = round(16 * 64 / float(np.median(times)), 1)
+            line[f"{key}_call_s"] = [round(t, 3) for t in times]
+        for name, python, script in peers:
+            line.update(run_peer(name, python, script, arch, a.peer_repeats))
+            if f"{name}_tok_s" in line:
+                line[f"ours_vs_{name}"] = round(line["ours_tok_s"] / line[f"{name}_tok_s"], 2)
+        line["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         lines.append(emit(line))
     return lines
 
@@ -575,18 +610,26 @@ def main() -> None:
     p.add_argument("--spec_prompt", type=int, default=32)
     p.add_argument("--spec_new", type=int, default=96)
     p.add_argument("--chi2_samples", type=int, default=512)
+    p.add_argument(
+        "--spec_batches", default="1,4,16", help="speculative: batch sizes (engines sized to each)"
+    )
     p.add_argument("--peer_archs", default="qwen3,qwen3moe")
     p.add_argument("--peer_repeats", type=int, default=3)
     p.add_argument("--peer_script", default=PEER_SCRIPT, help="transformers peer: hf_generate_bench.py")
+    p.add_argument("--hf_python", default="", help="interpreter of a venv with torch + transformers")
+    p.add_argument("--tunix_script", default=TUNIX_SCRIPT, help="Tunix peer: tunix_sampler_bench.py")
+    p.add_argument("--tunix_python", default="", help="interpreter of a venv with google-tunix")
     a = p.parse_args()
     PEER_SCRIPT = a.peer_script
     chosen = [s for s in a.sections.split(",") if s]
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
         p.error(f"unknown --sections {unknown}; choose from {SECTIONS}")
-    if "peer" in chosen and not os.path.exists(PEER_SCRIPT):
-        print(f"# {PEER_SCRIPT} not found: skipping peer", file=sys.stderr)
-        chosen.remove("peer")
+    if "peer" in chosen and not (a.hf_python or a.tunix_python):
+        print("# no --hf_python / --tunix_python: the peer section runs ours only", file=sys.stderr)
+    for python, script in ((a.hf_python, a.peer_script), (a.tunix_python, a.tunix_script)):
+        if python and not os.path.exists(script):
+            p.error(f"peer script {script} not found (--peer_script / --tunix_script)")
     if a.quick:
         a.cache_new, a.requests, a.max_new, a.train_steps = 32, 16, 64, 30
         a.spec_new, a.chi2_samples, a.peer_repeats, a.repeats = 32, 64, 1, 1
@@ -615,6 +658,11 @@ def main() -> None:
             "tokens_per_target_forward_t1": spec["t1"]["tokens_per_target_forward"],
             "theory_t1": spec["t1"]["theory"],
             "speedup_t1": spec["t1"]["speedup"],
+            "speedup_t1_by_batch": {k: v["speedup"] for k, v in spec["by_batch"].items()},
+            "speedup_t1_vs_decode_steps_8_by_batch": {
+                k: v["speedup_vs_decode_steps_8"] for k, v in spec["by_batch"].items()
+            },
+            "speculative_met": spec["met"],
             "speedup_greedy": spec["greedy"]["speedup"],
             "greedy_identical": spec["greedy_identical"],
             "chi2_p_speculative": spec["chi2_first_two_tokens"]["speculative"]["p_value"],
@@ -622,9 +670,17 @@ def main() -> None:
             "ngram3_speedup_greedy": ngram["greedy"]["speedup"],
         }
     if "peer" in chosen:
-        summary["peer_ours_vs_transformers"] = {
-            line["arch"]: line.get("ours_vs_transformers") for line in section_peer(a, engines, dense)
-        }
+        peer_lines = section_peer(a, engines, dense)
+        for peer in ("transformers", "tunix"):
+            summary[f"peer_ours_vs_{peer}"] = {
+                line["arch"]: line.get(f"ours_vs_{peer}") for line in peer_lines
+            }
+        summary["decode_targets"] = "ours >= 2x tunix (dense, MoE), MoE >= 1.5x transformers"
+        summary["decode_met"] = all((line.get("ours_vs_tunix") or 0) >= 2.0 for line in peer_lines) and all(
+            (line.get("ours_vs_transformers") or 0) >= 1.5
+            for line in peer_lines
+            if line["arch"] == "qwen3moe"
+        )
     summary["recompiles_after_warmup"] = emit(engines.recompiles())["total"]
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     emit(summary)

@@ -381,7 +381,9 @@ def differences(ours: dict, tunix: dict) -> list[str]:
         "(engine_warmup_s, as the main job does): compare both step_s_first and step_s_first_incl_warmup",
         f"dtype: ours params/compute {ours['dims']['dtype']}, Tunix {tunix.get('dims', {}).get('dtype')}",
         "rollout: ours inference.Engine (paged KV cache, continuous batching, each prompt prefilled once for "
-        "its 4 samples via SamplingParams.n); Tunix the vanilla Sampler on the prompts repeated 4 times",
+        "its 4 samples via SamplingParams.n, 16 decode slots, engine.decode_steps=8 tokens per device call, "
+        "MoE decode steps running every expert on their 16 tokens); Tunix the vanilla Sampler (one jitted "
+        "while_loop for all 64 tokens, every expert on every token) on the prompts repeated 4 times",
         "reward: both the even-id fraction of the completion's text (ids joined by spaces); ours through an "
         "in-process stand-in for envs.EnvPool.score_many (the main job scores in worker processes)",
         "behaviour log-probs: ours the engine's sampling log-probs (no recomputation; one update per batch, "

@@ -127,6 +127,13 @@ MODEL = {
         "of sort/dispatch; -1: while tokens * top_k <= num_experts; 0: never",
         lo=-1,
     ),
+    "moe.every_expert_max_tokens": Int(
+        -1,
+        "token counts (batch x length) at or below this run every expert on every token (three matmuls over "
+        "the stacked experts, the top-k routing weights zeroing the rest) instead of sort/dispatch; -1: in "
+        "the decoding engine's calls of up to max_batch x (num_draft + 1) tokens, never training; 0: never",
+        lo=-1,
+    ),
     "moe.load_balance_weight": Float(0.01, "weight of the load-balancing auxiliary loss", lo=0),
     "moe.z_loss_weight": Float(1e-3, "weight of the router z-loss", lo=0),
     "moe.bias_update_rate": Float(1e-3, "aux-loss-free balancing: step size of the selection bias", lo=0),

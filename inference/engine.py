@@ -39,6 +39,7 @@ from collections.abc import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -635,8 +636,15 @@ class Engine(Scheduler):
         return layout.inference_rules(tuple(self.cfg.mesh.rules))
 
     def _model_cfg(self, cfg):
-        """The config the engine builds a model graph from: with a mesh, the inference rules."""
-        return cfg if self.mesh is None else layout.inference_config(cfg)
+        """The config the engine builds a model graph from: with a mesh, the inference rules; an MoE model's
+        `moe.every_expert_max_tokens` -1 becomes the decode and speculative steps' token count, max_batch x
+        (num_draft + 1): calls of up to that many tokens run every expert (longer prefill and scoring
+        calls dispatch)."""
+        out = cfg if self.mesh is None else layout.inference_config(cfg)
+        if out.model.moe.num_experts and out.model.moe.get("every_expert_max_tokens", -1) == -1:
+            out = ml_collections.ConfigDict(out).copy_and_resolve_references()
+            out.model.moe.every_expert_max_tokens = self.ecfg.max_batch * (self.ecfg.num_draft + 1)
+        return out
 
     def _zeros(self, shapes, kv_heads: int | None):
         return layout.cache_zeros(shapes, self.mesh, kv_heads)

@@ -156,9 +156,20 @@ def raw_logprobs(logits_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
 
 
+def categorical(key_B: jax.Array, logp_BV: jax.Array) -> jax.Array:
+    """`jax.vmap(jax.random.categorical)(key_B, logp_BV)`, token for token: the first index of the largest
+    logp + Gumbel noise per row (the same noise, the same tie rule). XLA:CPU fuses the noise's threefry
+    into `argmax`'s variadic (value, index) reduction, a scalar loop: 3.5 ms for 16 x 8192 here, against
+    1.1 ms for the noise as its own elementwise pass and a max, then the first index equal to it."""
+    x_BV = jax.vmap(lambda key: jax.random.gumbel(key, logp_BV.shape[1:], logp_BV.dtype))(key_B) + logp_BV
+    max_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+    index_V = jnp.arange(x_BV.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x_BV == max_B1, index_V, x_BV.shape[-1]), axis=-1)
+
+
 def sample_from_logprobs(key_B: jax.Array, logp_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token per row from its own key, with its log-prob under `logp_BV`."""
-    tokens_B = jax.vmap(jax.random.categorical)(key_B, logp_BV).astype(jnp.int32)
+    tokens_B = categorical(key_B, logp_BV)
     return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
 
 

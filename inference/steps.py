@@ -1,4 +1,5 @@
-"""The engine's device functions: prefill, decode, speculative steps, teacher-forced scoring, page copies.
+"""The engine's device functions: prefill, decode (one step, or `decode_many`: up to N steps in one
+`lax.while_loop`), speculative steps, teacher-forced scoring, page copies.
 
 Dimension key: B rows (decode slots or prefill rows), T tokens per row, K draft tokens, K1 = K + 1, V vocab,
 M pages per row in the page table.

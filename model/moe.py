@@ -23,6 +23,9 @@ Dispatch:
   `jax.shard_map` with an all-to-all of the routed tokens (model/moe_parallel.py); the same outputs.
 - small-token gather (`moe.gather_max_tokens`, decode-size batches, experts not sharded): each token
   gathers its top-k experts' weights, no sort (`moe_dispatch.gathered_swiglu`); the same outputs.
+- every expert (`moe.every_expert_max_tokens`, decode-size batches, experts not sharded): three matmuls
+  over the stacked experts, the top-k routing weights zeroing the others (`moe_dispatch.every_expert_swiglu`);
+  the same outputs up to f32 rounding.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from flax import nnx
 from model import layers, moe_local, moe_parallel, sharding
 from model.moe_dispatch import (
     combine_rows,
+    every_expert_swiglu,
     gather_rows,
     gathered_swiglu,
     invert_rows,
@@ -252,6 +256,16 @@ class MoEBlock(nnx.Module):
         small = small and (cap is None or cap >= t)  # cap >= t: nothing can drop
         if small and not moe_parallel.experts_sharded(rules, sizes):
             y_TD = gathered_swiglu(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
+            return y_TD.reshape(b, t, d), none_dropped
+        every_max = e.get("every_expert_max_tokens", -1)
+        if every_max < -1:
+            raise ValueError(
+                f"model.moe.every_expert_max_tokens={every_max}; use -1 (the engine's decode steps), "
+                "0 (never) or a token count"
+            )
+        every = b * t <= every_max and (cap is None or cap >= t)  # -1: the engine sets its own count
+        if every and not moe_parallel.experts_sharded(rules, sizes):
+            y_TD = every_expert_swiglu(x_BTD.reshape(b * t, d), idx_Tk, w_Tk, gate, up, down)
             return y_TD.reshape(b, t, d), none_dropped
         if cap is None:
             if moe_local.applies(rules, sizes, b):  # a data / FSDP mesh: each shard its own tokens

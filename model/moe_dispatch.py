@@ -261,3 +261,20 @@ def gathered_swiglu(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.Array
     u_TkF = jnp.einsum("td,tkdf->tkf", x_TD, u_TkDF)
     y_TkD = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(g_TkF) * u_TkF, d_TkFD)
     return jnp.einsum("tkd,tk->td", y_TkD, w_Tk.astype(y_TkD.dtype))
+
+
+def every_expert_swiglu(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.Array:
+    """Small-token path: every expert on every token as three plain matmuls over the stacked experts,
+    x @ [D, E * F] (gate and up), then (w_TE * h_TEF) @ [E * F, D], where w_TE holds each token's top-k
+    routing weights and zeros elsewhere: an unselected expert's row is multiplied by 0, so the output is
+    the top-k experts' weighted sum (in another order than the dispatch's: f32 rounding). E / k times
+    the routed FLOPs, but at decode-size batches the cost is reading the weights, which the dispatch
+    reads too (in E small matmuls plus a sort); three large matmuls read them faster."""
+    t, d = x_TD.shape
+    e, _, f = gate_EDF.shape
+    stack = lambda w_EDF: jnp.moveaxis(w_EDF, 0, 1).reshape(d, e * f)  # [D, E * F], expert-major columns
+    g_TEF = (x_TD @ stack(gate_EDF).astype(x_TD.dtype)).reshape(t, e, f)
+    u_TEF = (x_TD @ stack(up_EDF).astype(x_TD.dtype)).reshape(t, e, f)
+    w_TE = jnp.zeros((t, e), x_TD.dtype).at[jnp.arange(t)[:, None], idx_Tk].add(w_Tk.astype(x_TD.dtype))
+    h_TEF = jax.nn.silu(g_TEF) * u_TEF * w_TE[:, :, None]
+    return h_TEF.reshape(t, e * f) @ down_EFD.reshape(e * f, d).astype(x_TD.dtype)

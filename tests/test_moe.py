@@ -323,3 +323,45 @@ def test_bad_gather_threshold_is_refused_naming_the_field():
     block, _ = _block(gather_max_tokens=-2)
     with pytest.raises(ValueError, match=r"model.moe.gather_max_tokens=-2; use -1 \(auto\), 0 \(never\)"):
         jax.eval_shape(lambda x: block(x), _x())
+
+
+@pytest.mark.parametrize("impl, factor", [("ragged", 1.25), ("capacity", 2.0)])
+def test_every_expert_path_below_its_threshold_equals_the_dispatch(impl, factor):
+    """B * T <= moe.every_expert_max_tokens runs every expert on every token (no sort in the program): the
+    dispatch's outputs and gradients up to f32 rounding (an unselected expert's rows are weighted by 0)."""
+    x = _x(b=2, t=8)
+    every, _ = _block(impl, capacity_factor=factor, every_expert_max_tokens=16)
+    dispatch, _ = _block(impl, capacity_factor=factor, every_expert_max_tokens=0)
+    sorts = lambda blk, x: re.search(r"\bsort\[", str(jax.make_jaxpr(lambda x: blk(x)[0])(x))) is not None
+    assert not sorts(every, x) and sorts(dispatch, x)
+    assert sorts(every, _x(b=2, t=9))  # 18 tokens: past the threshold
+    y_e, aux_e, g_e = _loss_and_grads(every, x)
+    y_d, aux_d, g_d = _loss_and_grads(dispatch, x)
+    np.testing.assert_allclose(y_e, y_d, atol=ATOL, rtol=RTOL)
+    chex.assert_trees_all_close(g_e, g_d, atol=ATOL, rtol=RTOL)
+    assert float(aux_e["dropped_tokens"]) == float(aux_d["dropped_tokens"]) == 0.0
+
+
+def test_every_expert_path_by_hand():
+    # 2 tokens, 3 experts of d = f = 1 (SwiGLU silu(g x) * (u x) * down): token 0 picks experts 2 and 0 with
+    # weights 0.75 / 0.25, token 1 expert 1 alone with weight 1.
+    from model.moe_dispatch import every_expert_swiglu
+
+    gate = jnp.asarray([1.0, 2.0, -1.0]).reshape(3, 1, 1)
+    up = jnp.asarray([0.5, 1.0, 2.0]).reshape(3, 1, 1)
+    down = jnp.asarray([3.0, -1.0, 0.5]).reshape(3, 1, 1)
+    x = jnp.asarray([[2.0], [-1.0]])
+    idx = jnp.asarray([[2, 0], [1, 1]], jnp.int32)
+    w = jnp.asarray([[0.75, 0.25], [1.0, 0.0]])
+    silu = lambda z: z / (1 + np.exp(-z))
+    want0 = 0.75 * silu(-2.0) * 4.0 * 0.5 + 0.25 * silu(2.0) * 1.0 * 3.0
+    want1 = 1.0 * silu(-2.0) * -1.0 * -1.0
+    np.testing.assert_allclose(
+        np.asarray(every_expert_swiglu(x, idx, w, gate, up, down))[:, 0], [want0, want1], rtol=1e-6
+    )
+
+
+def test_bad_every_expert_threshold_is_refused_naming_the_field():
+    block, _ = _block(every_expert_max_tokens=-2)
+    with pytest.raises(ValueError, match=r"model.moe.every_expert_max_tokens=-2; use -1"):
+        jax.eval_shape(lambda x: block(x), _x())

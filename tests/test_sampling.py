@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from inference import sampling
 from inference.sampling import (
     SamplingParams,
     processed_logprobs,
@@ -193,3 +194,22 @@ def test_sampled_frequencies_match_processed_distribution():
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_categorical_gives_jax_random_categorical_tokens():
+    # The same Gumbel noise and tie rule as jax.random.categorical, computed in another order: equal tokens
+    # for masked rows (-inf), exact ties (the lowest index), a row with one token left, wide and flat rows.
+    rng = np.random.default_rng(0)
+    logp_BV = rng.normal(size=(64, 512)).astype(np.float32) * 3
+    logp_BV[1::4, ::3] = -np.inf
+    logp_BV[2] = 0.0  # all tied
+    logp_BV[3] = -np.inf
+    logp_BV[3, 17] = 0.0  # one token left
+    logp_BV[5, :2] = 50.0  # two tied far above the rest: the noise decides between them
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(64))
+    for step in range(3):
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+        want = jax.vmap(jax.random.categorical)(step_keys, jnp.asarray(logp_BV))
+        got = jax.jit(sampling.categorical)(step_keys, jnp.asarray(logp_BV))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert int(got[3]) == 17 and int(got[5]) in (0, 1)
