@@ -1,0 +1,141 @@
+"""python benchmarks/peer_table.py [--write README.md]
+
+The README's table of speed beside the peers, built from the committed raw lines of one session's runs:
+`benchmarks/results/grpo_step.jsonl` (`benchmarks/grpo_step.py --tunix_python=...`) and
+`benchmarks/results/decode_peer.jsonl` (`benchmarks/decode.py --sections=peer,speculative --hf_python=...
+--tunix_python=...`). Prints the table; `--write README.md` replaces the lines between the README's
+`<!-- peer table -->` markers with it (tests/test_peer_table.py checks that the two agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BEGIN, END = "<!-- peer table -->", "<!-- /peer table -->"
+ARCHS = (("qwen3moe", "MoE"), ("qwen3", "dense"))
+PHASES = ("generate", "reference_logprobs", "train", "weight_sync")
+
+
+def _lines(name: str) -> list[dict]:
+    with open(os.path.join(RESULTS, name)) as f:
+        return [json.loads(line) for line in f if line.strip().startswith("{")]
+
+
+def _by(lines: list[dict], bench: str) -> dict[str, dict]:
+    return {line["arch"]: line for line in lines if line.get("bench") == bench}
+
+
+def _runs(lines: list[dict], bench: str) -> dict[str, list[dict]]:
+    """Per arch, the `bench` lines of every run in the file, in order."""
+    out: dict[str, list[dict]] = {}
+    for line in lines:
+        if line.get("bench") == bench:
+            out.setdefault(line["arch"], []).append(line)
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def table() -> str:
+    grpo = _lines("grpo_step.jsonl")
+    ours, tunix, compare = (_runs(grpo, b) for b in ("grpo_step", "grpo_step_tunix", "grpo_step_compare"))
+    decode = _lines("decode_peer.jsonl")
+    peer = _by(decode, "decode_peer")
+    runs = len(compare[ARCHS[0][0]])
+    rows = [
+        f"| figure (median after the first step or call; GRPO: median of {runs} runs) | ours | Tunix 0.1.7 |"
+        " transformers | ours / peer (each run) |",
+        "|---|---|---|---|---|",
+    ]
+    for arch, label in ARCHS:
+        o, t, c = ours[arch], tunix[arch], compare[arch]
+        each = ", ".join(f"{x['step_ratio_tunix_over_ours']:.2f}" for x in c)
+        rows.append(
+            f"| one GRPO step, 4 prompts x 4 samples, 32 + 64 tokens, KL 0.04, {label} |"
+            f" {_median([x['step_s_median'] for x in o]):.2f} s |"
+            f" {_median([x['step_s_median'] for x in t]):.2f} s | - |"
+            f" {_ratio(_median([x['step_ratio_tunix_over_ours'] for x in c]))} ({each}) |"
+        )
+    for arch, label in ARCHS:
+        o, t, c = ours[arch], tunix[arch], compare[arch]
+        each = ", ".join(f"{x['first_ratio_tunix_over_ours']:.2f}" for x in c)
+        warm = _median([x["first_ratio_tunix_over_ours_incl_warmup"] for x in c])
+        rows.append(
+            f"| first GRPO step with compiles (ours: + engine warmup), {label} |"
+            f" {_median([x['step_s_first'] for x in o]):.1f} s"
+            f" (+{_median([x['engine_warmup_s'] for x in o]):.1f} s)"
+            f" | {_median([x['step_s_first'] for x in t]):.1f} s | - |"
+            f" {_ratio(_median([x['first_ratio_tunix_over_ours'] for x in c]))} ({each}); {_ratio(warm)} with"
+            " warmup |"
+        )
+    for arch, label in ARCHS:
+        p = peer[arch]
+        rows.append(
+            f"| decode tok/s, batch 16, {label} (ours: 8 steps per call; 1 step) | {p['ours_tok_s']:,.0f}"
+            f" ({p['ours_decode_steps_1_tok_s']:,.0f}) | {p.get('tunix_tok_s', 0):,.0f} |"
+            f" {p.get('transformers_tok_s', 0):,.0f} | {_ratio(p.get('ours_vs_tunix'))} Tunix,"
+            f" {_ratio(p.get('ours_vs_transformers'))} transformers |"
+        )
+    phases = []
+    for arch, label in ARCHS:
+        ph = {k: _median([x["phase_s_median_after_first"][k] for x in ours[arch]]) for k in PHASES}
+        mfu = _median([x["train_mfu"]["train"]["mfu"] for x in ours[arch]])
+        phases.append(
+            f"{label}: generate {ph['generate']:.2f} s, reference log-probs {ph['reference_logprobs']:.2f} s,"
+            f" train {ph['train']:.2f} s (MFU {100 * mfu:.0f}% of the f32 matmul peak measured in the run),"
+            f" weight sync {ph['weight_sync']:.3f} s"
+        )
+    spec = [line for line in decode if line.get("bench") == "decode_speculative"]
+    notes = ["", "Our step's phases (medians over the runs): " + "; ".join(phases) + "."]
+    if spec:
+        by = spec[-1]["by_batch"]
+        notes.append(
+            "Speculative decoding (k = 4, the trained pair of `benchmarks/decode.py`), T = 1, wall-clock"
+            " speedup over plain decoding of the same target by batch: "
+            + ", ".join(
+                f"{k[1:]}: {v['speedup']:.2f}x ({v['speedup_vs_decode_steps_8']:.2f}x over 8 steps per call,"
+                f" acceptance {v['acceptance_rate']:.2f})"
+                for k, v in by.items()
+            )
+            + "."
+        )
+    loads = [x["loadavg_start"][0] for a, _ in ARCHS for x in ours[a]] + [
+        peer[a]["loadavg_start"][0] for a, _ in ARCHS
+    ]
+    notes.append(f"Load average (1 min) at the start of each measurement: {min(loads):.2f}-{max(loads):.2f}.")
+    return "\n".join(rows + notes)
+
+
+def write(path: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    p.add_argument("--write", default="", help="a README whose peer-table markers get the table")
+    a = p.parse_args()
+    if a.write:
+        write(a.write)
+    else:
+        print(table())
+
+
+if __name__ == "__main__":
+    main()
