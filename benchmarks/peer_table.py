@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+from statistics import median
+
+from configs import schema
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BEGIN, END = "<!-- peer table -->", "<!-- /peer table -->"
@@ -38,10 +40,6 @@ def _runs(lines: list[dict], bench: str) -> dict[str, list[dict]]:
     return out
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
@@ -62,20 +60,20 @@ def table() -> str:
         each = ", ".join(f"{x['step_ratio_tunix_over_ours']:.2f}" for x in c)
         rows.append(
             f"| one GRPO step, 4 prompts x 4 samples, 32 + 64 tokens, KL 0.04, {label} |"
-            f" {_median([x['step_s_median'] for x in o]):.2f} s |"
-            f" {_median([x['step_s_median'] for x in t]):.2f} s | - |"
-            f" {_ratio(_median([x['step_ratio_tunix_over_ours'] for x in c]))} ({each}) |"
+            f" {median([x['step_s_median'] for x in o]):.2f} s |"
+            f" {median([x['step_s_median'] for x in t]):.2f} s | - |"
+            f" {_ratio(median([x['step_ratio_tunix_over_ours'] for x in c]))} ({each}) |"
         )
     for arch, label in ARCHS:
         o, t, c = ours[arch], tunix[arch], compare[arch]
         each = ", ".join(f"{x['first_ratio_tunix_over_ours']:.2f}" for x in c)
-        warm = _median([x["first_ratio_tunix_over_ours_incl_warmup"] for x in c])
+        warm = median([x["first_ratio_tunix_over_ours_incl_warmup"] for x in c])
         rows.append(
             f"| first GRPO step with compiles (ours: + engine warmup), {label} |"
-            f" {_median([x['step_s_first'] for x in o]):.1f} s"
-            f" (+{_median([x['engine_warmup_s'] for x in o]):.1f} s)"
-            f" | {_median([x['step_s_first'] for x in t]):.1f} s | - |"
-            f" {_ratio(_median([x['first_ratio_tunix_over_ours'] for x in c]))} ({each}); {_ratio(warm)} with"
+            f" {median([x['step_s_first'] for x in o]):.1f} s"
+            f" (+{median([x['engine_warmup_s'] for x in o]):.1f} s)"
+            f" | {median([x['step_s_first'] for x in t]):.1f} s | - |"
+            f" {_ratio(median([x['first_ratio_tunix_over_ours'] for x in c]))} ({each}); {_ratio(warm)} with"
             " warmup |"
         )
     for arch, label in ARCHS:
@@ -88,8 +86,8 @@ def table() -> str:
         )
     phases = []
     for arch, label in ARCHS:
-        ph = {k: _median([x["phase_s_median_after_first"][k] for x in ours[arch]]) for k in PHASES}
-        mfu = _median([x["train_mfu"]["train"]["mfu"] for x in ours[arch]])
+        ph = {k: median([x["phase_s_median_after_first"][k] for x in ours[arch]]) for k in PHASES}
+        mfu = median([x["train_mfu"]["train"]["mfu"] for x in ours[arch]])
         phases.append(
             f"{label}: generate {ph['generate']:.2f} s, reference log-probs {ph['reference_logprobs']:.2f} s,"
             f" train {ph['train']:.2f} s (MFU {100 * mfu:.0f}% of the f32 matmul peak measured in the run),"
@@ -117,14 +115,7 @@ def table() -> str:
 
 
 def write(path: str) -> None:
-    with open(path) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
+    schema.write_between(path, BEGIN, END, table() + "\n")
 
 
 def main() -> None:

@@ -236,16 +236,21 @@ def _default(value, prefix: str = "") -> str:
 BEGIN, END = "<!-- fields:begin (python -m configs.schema --write README.md) -->", "<!-- fields:end -->"
 
 
-def write(path: str) -> None:
-    """Replaces the field list between the BEGIN and END markers of `path` (the README)."""
+def write_between(path: str, begin: str, end: str, body: str) -> None:
+    """Replaces what lies between the `begin` and `end` marker lines of `path` (a README) with `body`."""
     with open(path) as f:
         text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
     with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{markdown()}{END}{tail}")
+        f.write(f"{head}{begin}\n{body}{end}{tail}")
+
+
+def write(path: str) -> None:
+    """Replaces the field list between the BEGIN and END markers of `path` (the README)."""
+    write_between(path, BEGIN, END, markdown())
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from engine_checks import check_released as _check_released
+from engine_checks import prompts as _prompts
 from flax import nnx
 
 import model
@@ -43,17 +45,6 @@ def single(target):
 @pytest.fixture(scope="module")
 def many(target):
     return _engine(target, decode_steps=8)
-
-
-def _prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
-
-
-def _check_released(eng):
-    assert not eng.has_work()
-    eng.table.check()
-    assert eng.pool.num_free + len(list(eng.prefix.held_pages())) == eng.pool.num_pages - 1
 
 
 def _same(a, b):

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import scipy.stats
 from chi_square import chi_square
+from engine_checks import check_released as _check_released
+from engine_checks import prompts as _prompts
 from flax import nnx
 
 import model
@@ -66,17 +68,6 @@ def naive_greedy(forward, params, prompt, n):
         seq.append(int(np.argmax(logp_V)))
         raw.append(float(logp_V[seq[-1]]))
     return seq[len(prompt) :], raw
-
-
-def _prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
-
-
-def _check_released(eng):
-    assert not eng.has_work()
-    eng.table.check()
-    assert eng.pool.num_free + len(list(eng.prefix.held_pages())) == eng.pool.num_pages - 1
 
 
 def test_greedy_equals_naive_decode(target, engine, forward):
