@@ -185,7 +185,7 @@ def timed_update(cfg, model_def, mesh, phases: Phases):
         return train_step.make_grpo_update(cfg, model_def, mesh=mesh)
 
 
-def run_ours(arch: str, steps: int) -> dict:
+def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
     cfg = grpo_cfg(arch)
     rl = cfg.rl
     load_start, compiles_start = loadavg(), dict(_COMPILES)
@@ -247,11 +247,16 @@ def run_ours(arch: str, steps: int) -> dict:
                 max_len=cfg.seq_len,
                 rows=cfg.batch_size,
             )
+        tracing = trace_dir and i == steps  # the last step, under jax.profiler
+        if tracing:
+            jax.profiler.start_trace(os.path.join(os.path.abspath(trace_dir), arch))
         with phases.phase("update"):  # reference log-probs inside; the rest is the train step
             shardings = train_step.batch_shardings(cfg, tuple(batch), mesh, cfg.batch_size)
             batch = distributed.global_batch(batch, shardings, {"expert_indices": 1})
             state, metrics = update(state, batch, ref_params=ref_params)
             jax.block_until_ready(state.params)
+        if tracing:
+            jax.profiler.stop_trace()
         with phases.phase("weight_sync"):
             push_weights(train_step.weights(state))
             jax.block_until_ready(engine.params)
@@ -452,6 +457,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps after the first (compiling) one")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 steps after the first")
     p.add_argument("--tunix_python", default="", help="python of a venv with google-tunix (none: skip)")
+    p.add_argument(
+        "--trace_dir",
+        default="",
+        help="trace the last step's update into DIR/ARCH for profile_ops.py (the profiler slows that step)",
+    )
     p.add_argument("--peer_script", default=PEER_SCRIPT, help="tunix_grpo_step_bench.py")
     a = p.parse_args()
     steps = 2 if a.quick else a.steps
@@ -460,7 +470,7 @@ def main() -> None:
     jax.monitoring.register_event_duration_secs_listener(_on_compile)
     summary = {"bench": "grpo_step_summary", "steps": steps, "loadavg_start": loadavg(), "archs": {}}
     for arch in a.archs.split(","):
-        ours = emit(run_ours(arch, steps))
+        ours = emit(run_ours(arch, steps, a.trace_dir))
         entry = {"ours_step_s_median": ours["step_s_median"], "ours_step_s_first": ours["step_s_first"]}
         if a.tunix_python:
             cmp = emit(compare(ours, emit(run_tunix(arch, steps, a.tunix_python, a.peer_script))))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Collection, Sequence
 
 import jax
@@ -178,6 +179,9 @@ class Engine(Scheduler):
         self._holders: dict[int, int] = {}  # request id -> sequence holding its context for queued samples
         self._next_seq = self._next_request = self._admissions = 0
         self._stats = collections.Counter()
+        # step(): wall seconds inside it, and those spent blocked on the device's results (the rest is the
+        # host's admission, page and bookkeeping work, which the device waits for between calls)
+        self._seconds = {"step_s": 0.0, "device_wait_s": 0.0}
         self._compiles = [0]
         self._warm_compiles: int | None = None
         self._lock = threading.RLock()  # one scheduler step, submit or weight swap at a time
@@ -252,6 +256,7 @@ class Engine(Scheduler):
         """Admits what fits, runs one decode (or speculative) step; returns the finished completions
         (those of requests a `generate` call waits for are also handed to it)."""
         with self._counting():
+            t0 = time.perf_counter()
             self._admit()
             active = [(b, s) for b, s in enumerate(self._slots) if s is not None]
             if not active:
@@ -261,7 +266,15 @@ class Engine(Scheduler):
             for c in done:
                 if c.request_id in self._waiting:
                     self._waiting[c.request_id].append(c)
+            self._seconds["step_s"] += time.perf_counter() - t0
             return done
+
+    def _results(self, tree):
+        """jax.device_get, timed as device wait."""
+        t0 = time.perf_counter()
+        out = jax.device_get(tree)
+        self._seconds["device_wait_s"] += time.perf_counter() - t0
+        return out
 
     def in_flight(self) -> list[Completion]:
         """Every unfinished sample of every submitted request as far as it got (running, queued or
@@ -427,6 +440,7 @@ class Engine(Scheduler):
 
     def stats(self) -> dict:
         s = dict(self._stats)
+        s.update({k: round(v, 6) for k, v in self._seconds.items()})
         forwards = max(s.get("target_row_forwards", 0), 1)
         s["tokens_per_target_forward"] = s.get("generated_tokens", 0) / forwards
         s["acceptance_rate"] = s.get("accepted_tokens", 0) / max(s.get("proposed_tokens", 0), 1)
@@ -469,7 +483,7 @@ class Engine(Scheduler):
             return self._decode_many_step(active)
         active = self._grow(active, 1)
         self.kv, nxt, logp, raw = self._decode(self.params, self.kv, self._rows(active))
-        nxt, logp, raw = jax.device_get((nxt, logp, raw))
+        nxt, logp, raw = self._results((nxt, logp, raw))
         self._stats["target_row_forwards"] += len(active)
         self._stats["decode_steps"] += 1
         return [seq for b, seq in active if self._emit(seq, [nxt[b]], [logp[b]], [raw[b]])]
@@ -487,7 +501,7 @@ class Engine(Scheduler):
             budget_B[b] = budget(seq)
         rows = self._rows(active)
         self.kv, *out = self._decode_many(self.params, self.kv, rows, stop_BS, budget_B)
-        tokens, logp, raw, count = jax.device_get(out)
+        tokens, logp, raw, count = self._results(out)
         self._stats["target_row_forwards"] += int(count.sum())
         self._stats["decode_steps"] += int(count.max(initial=0))
         self._stats["decode_calls"] += 1
@@ -520,7 +534,7 @@ class Engine(Scheduler):
             for b, seq in active:
                 proposal = self._propose(seq, k)
                 draft[b, : len(proposal)], num_draft[b] = proposal, len(proposal)
-        accepted, out, logp, raw = jax.device_get(self._run_spec(rows, draft, num_draft))
+        accepted, out, logp, raw = self._results(self._run_spec(rows, draft, num_draft))
         self._stats["target_row_forwards"] += len(active)
         self._stats["spec_steps"] += 1
         finished = []
