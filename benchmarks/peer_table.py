@@ -69,9 +69,9 @@ def table() -> str:
         each = ", ".join(f"{x['first_ratio_tunix_over_ours']:.2f}" for x in c)
         warm = median([x["first_ratio_tunix_over_ours_incl_warmup"] for x in c])
         rows.append(
-            f"| first GRPO step with compiles (ours: + engine warmup), {label} |"
+            f"| first GRPO step with compiles (ours: + warm-up before the loop), {label} |"
             f" {median([x['step_s_first'] for x in o]):.1f} s"
-            f" (+{median([x['engine_warmup_s'] for x in o]):.1f} s)"
+            f" (+{median([x['warmup_s'] for x in o]):.1f} s)"
             f" | {median([x['step_s_first'] for x in t]):.1f} s | - |"
             f" {_ratio(median([x['first_ratio_tunix_over_ours'] for x in c]))} ({each}); {_ratio(warm)} with"
             " warmup |"

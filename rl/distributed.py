@@ -275,6 +275,21 @@ class Together:
 
         if jax.process_count() == 1:
             return self.jitted(*args)
+        return self._executable(args)(*args)
+
+    def compile(self, *args) -> None:
+        """Compiles the executable a call with `args` (arrays, or `jax.ShapeDtypeStruct`s with the shardings
+        the call will see) runs, without running it: that call then compiles nothing."""
+        import jax
+
+        if jax.process_count() == 1:
+            self.jitted.lower(*args).compile()  # jit's compilation cache keeps it for the call
+        else:
+            self._executable(args)
+
+    def _executable(self, args):
+        import jax
+
         leaves, treedef = jax.tree.flatten(args)
         key = (treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
         exe = self._compiled.get(key)
@@ -282,4 +297,4 @@ class Together:
             exe = self._compiled[key] = self.jitted.lower(*args).compile()
             Together._count += 1
             barrier(f"{self.name}:{Together._count}")
-        return exe(*args)
+        return exe

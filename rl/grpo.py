@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from configs import schema
 from configs.schema import Choice, Float, Int
@@ -111,12 +112,14 @@ def _std_none(rewards_GN: Array, eps: float) -> Array:
 
 
 def group_advantages(rewards_B: Array, group_size: int, *, std: str = "group", eps: float = 1e-6) -> Array:
-    """Reward minus its group's mean, scaled by `std`; groups are `group_size` consecutive rows."""
+    """Reward minus its group's mean, scaled by `std`; groups are `group_size` consecutive rows. A numpy
+    array stays on the host (the rollout's per-step advantages: no device programs, nothing to compile)."""
     (batch,) = rewards_B.shape
     if group_size <= 0 or batch % group_size:
         raise ValueError(f"rewards_B has {batch} rows, not a multiple of group_size={group_size}")
     fn = lookup(ADVANTAGES, std, "std")
-    return fn(_f32(rewards_B).reshape(batch // group_size, group_size), eps).reshape(batch)
+    rewards = rewards_B.astype(np.float32) if isinstance(rewards_B, np.ndarray) else _f32(rewards_B)
+    return fn(rewards.reshape(batch // group_size, group_size), eps).reshape(batch)
 
 
 def token_logprobs(

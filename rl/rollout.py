@@ -26,7 +26,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from envs import EnvPool, Score, Task, registry
@@ -394,10 +393,10 @@ def advantages(samples: Sequence[Sample], *, std: str = "group", eps: float = 1e
     for size, groups in by_size.items():
         flat = np.concatenate(groups)
         if std == "batch":
-            adv = grpo.group_advantages(jnp.asarray(rewards[flat]), size, std="none")
+            adv = grpo.group_advantages(rewards[flat], size, std="none")
             adv = adv / (float(rewards.std()) + eps)
         else:
-            adv = grpo.group_advantages(jnp.asarray(rewards[flat]), size, std=std, eps=eps)
+            adv = grpo.group_advantages(rewards[flat], size, std=std, eps=eps)
         out[flat] = np.asarray(adv)
     return out
 
@@ -475,6 +474,33 @@ def make_batch(
         domain_B[: len(samples)] = [index[s.task.domain] for s in samples]
         batch["domain_B"] = domain_B
     return batch, _stats(samples, lengths, t, mask_BT, advantages_B)
+
+
+def empty_batch(
+    rows: int,
+    seq_len: int,
+    *,
+    routing: tuple[int, int] | None = None,
+    domains: Sequence[str] | None = None,
+) -> dict[str, np.ndarray]:
+    """A batch of `make_batch`'s entries, shapes and dtypes with no sample in it (every row padding): what
+    the main job compiles its update on before the first rollout. `routing`: (MoE layers, experts per
+    token) for `expert_indices`; `domains` adds `domain_B`."""
+    batch = {
+        "tokens_BT": np.zeros((rows, seq_len), np.int32),
+        "positions_BT": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy(),
+        "mask_BT": np.zeros((rows, seq_len), np.float32),
+        "advantages_B": np.zeros(rows, np.float32),
+        "behaviour_logp_BT": np.zeros((rows, seq_len), np.float32),
+    }
+    if routing is not None:
+        layers, k = routing
+        batch["expert_indices"] = np.broadcast_to(
+            np.arange(k, dtype=np.int32), (layers, rows, seq_len, k)
+        ).copy()
+    if domains is not None:
+        batch["domain_B"] = np.full(rows, -1, np.int32)
+    return batch
 
 
 def _routing_batch(samples: Sequence[Sample], b: int, t: int) -> np.ndarray:

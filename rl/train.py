@@ -180,8 +180,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             push_weights(train_step.weights(state))  # the first push sends every leaf,
             push_weights(train_step.weights(state))  # the second runs the delta program (nothing changed)
         engine.version = version
-        engine.warmup()
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
+        rows_here = cfg.batch_size // processes
+        _warm_up(cfg, engine, update, mesh, state, ref_params, rows_here)
         distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def, mesh=mesh)
 
         # ---- Held-out evaluation ---------------------------------------------------------------------------
@@ -227,9 +228,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
 
         # ---- The loop: batch -> update -> weights to the engine -> draft -> curriculum -> log -> checkpoint
         # Each process rolls out its share of every round's global task draw (rl.distributed.TaskShard)
-        # into its rows of the global batch.
-        rows_here = cfg.batch_size // processes
-        row_axis = {"expert_indices": 1}
+        # into its rows of the global batch (rows_here).
+        row_axis = ROW_AXIS
 
         def produce() -> pipeline.RolloutBatch:
             seed = rollout.derive_seed(rl.seed, "batch", source.next_batch_index())
@@ -510,6 +510,33 @@ def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed
         )
     logger.log(0, {"sft/seconds": time.perf_counter() - t0}, progress=False)
     return state, draft_state, done
+
+
+ROW_AXIS = {"expert_indices": 1}  # the row dimension of batch entries whose rows are not their first axis
+
+
+def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
+    """Compiles before the first step: the engine's `warmup()` in a thread while this one compiles the update
+    (`update.compile`) on an empty batch of the rollout batches' shapes and placement. XLA compiles
+    without the GIL, so the two compile on two cores at once, and the first step compiles nothing."""
+    import concurrent.futures
+
+    from rl import distributed, rollout, train_step
+
+    rl = cfg.rl
+    local = rollout.empty_batch(
+        rows,
+        cfg.seq_len,
+        routing=(engine.num_moe_layers, cfg.model.moe.top_k) if rl.routing_replay else None,
+        domains=tuple(rl.domains) if rl.gradient_projection else None,
+    )
+    shardings = train_step.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-warmup") as workers:
+        warm = workers.submit(engine.warmup)
+        try:
+            update.compile(state, distributed.global_batch(local, shardings, ROW_AXIS), ref_params=ref_params)
+        finally:
+            warm.result()
 
 
 def _recorded(batches: list, tasks: list) -> list:

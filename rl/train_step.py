@@ -48,6 +48,7 @@ micro-batches). The forward of a step routes with the bias as it was before the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, NamedTuple
@@ -339,13 +340,13 @@ def make_logprobs(
     keys = ("tokens_BT", "positions_BT") + (
         ("expert_indices",) if (cfg.rl.routing_replay if replay is None else replay) else ()
     )
-    if mesh is None:
-        return lambda params, batch, rest=None: jitted(params, _select(batch, keys), rest)
 
-    def on_mesh(params, batch, rest=None):
-        with jax.set_mesh(mesh):
-            return jitted(params, _select(batch, keys), rest)
+    def on_mesh(params, batch, rest=None, *, run=jitted):
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            return run(params, _select(batch, keys), rest)
 
+    # compile(params, batch, rest=None): the executable of that call, compiled and not run
+    on_mesh.compile = functools.partial(on_mesh, run=jitted.compile)
     return on_mesh
 
 
@@ -527,13 +528,14 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn, domains: tuple[str,
 
     if mesh is None:
         jitted = jax.jit(step, donate_argnums=0)
-        return lambda state, batch: jitted(state, _select(batch, keys))
+        step_fn = lambda state, batch: jitted(state, _select(batch, keys))
+        step_fn.compile = lambda state, batch: jitted.lower(state, _select(batch, keys)).compile()
+        return step_fn
     state_shardings = _tree_shardings(_abstract_state(cfg, optimizer), mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     by_rows: dict[int, tuple] = {}  # one executable per batch row count (rollout batch, mini-batch, SFT)
 
-    def step_fn(state, batch):
-        batch = _select(batch, keys)
+    def executable(batch):
         rows = int(batch["tokens_BT"].shape[0])
         if rows not in by_rows:
             shardings = _batch_shardings(keys, mesh, rules, rows)
@@ -544,10 +546,26 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn, domains: tuple[str,
                 donate_argnums=0,
             )
             by_rows[rows] = (distributed.Together(jitted, f"train_step:{rows}"), shardings)
-        jitted, shardings = by_rows[rows]
+        return by_rows[rows]
+
+    def step_fn(state, batch):
+        batch = _select(batch, keys)
+        jitted, shardings = executable(batch)
         with jax.set_mesh(mesh):
             return jitted(state, _placed(batch, shardings))
 
+    def compile(state, batch) -> None:
+        """The executable `step_fn(state, batch)` runs, compiled and not run (`batch` may hold
+        `jax.ShapeDtypeStruct`s); `state` is not donated."""
+        batch = _select(batch, keys)
+        jitted, shardings = executable(batch)
+        abstract = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in batch.items()
+        }
+        with jax.set_mesh(mesh):
+            jitted.compile(state, abstract)
+
+    step_fn.compile = compile
     return step_fn
 
 
@@ -664,6 +682,32 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
                 history.append(jax.device_get(metrics))
         return state, _combine_updates(history)
 
+    def compile(state: TrainState, batch: dict, *, ref_params: nnx.State | None = None) -> None:
+        """Compiles every executable `update(state, batch, ref_params=...)` runs (reference and proximal
+        log-probs, the train step at the batch's and the mini-batches' row count) without running any:
+        `state` is neither changed nor donated. `batch`: one of the rollout batches' shapes, placed as they
+        are (`rl.rollout.empty_batch` through `rl.distributed.global_batch`). The main job compiles the
+        update this way while the engine warms up."""
+        batch = dict(batch)
+        rows = batch["tokens_BT"].shape[0]
+        if rows % minis:
+            raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
+        per_BT = jax.ShapeDtypeStruct(batch["tokens_BT"].shape, jnp.float32)
+        if use_kl:
+            ref_fn.compile(ref_params, batch)
+            batch["ref_logp_BT"] = per_BT
+        if epochs * minis > 1:
+            proximal_fn.compile(state.params, batch, state.model_state)
+            batch["proximal_logp_BT"] = per_BT
+        if minis > 1:
+            batch = {
+                k: jax.ShapeDtypeStruct(v.shape[:axis] + (rows // minis,) + v.shape[axis + 1 :], v.dtype)
+                for k, v in batch.items()
+                for axis in [1 if k == "expert_indices" else 0]
+            }
+        step_fn.compile(state, batch)
+
+    update.compile = compile
     return update
 
 
