@@ -100,8 +100,9 @@ def grpo_cfg(arch: str):
     rl.max_attempts, rl.quality_gate = 1, False
     # The engine sized for the step, as the peer's sampler is (batch 16, its cache the prompt + new tokens):
     # one decode slot per row (the default 32 slots would run 16 idle rows every decode step) and one
-    # prefill length bucket past the 31-token contexts.
-    rl.engine.update(max_batch=rl.prompts_per_step * rl.group_size, prefill_chunk=32)
+    # prefill length bucket past the 31-token contexts (min_bucket = prefill_chunk = 32: the engine compiles
+    # prefill at 32 tokens only, for 1, 2 and 4 rows, not also at 16).
+    rl.engine.update(max_batch=rl.prompts_per_step * rl.group_size, prefill_chunk=32, min_bucket=32)
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     validate.validate(cfg)
@@ -315,7 +316,15 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
         "rows_per_step": rows,
         "engine": {
             k: getattr(engine.ecfg, k, None)
-            for k in ("max_batch", "page_size", "prefill_chunk", "scheduler", "decode_steps")
+            for k in (
+                "max_batch",
+                "page_size",
+                "prefill_chunk",
+                "prefill_batch",
+                "min_bucket",
+                "scheduler",
+                "decode_steps",
+            )
         },
         "warmup_s": round(warmup_s, 3),  # the engine's warmup beside the update's compile (rl.train._warm_up)
         "warmup_compiles": warm_compiles,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from inference.sampling import categorical
+
 
 def _residual_logp(target_logp_V: jax.Array, draft_logp_V: jax.Array) -> jax.Array:
     """log of the normalised max(0, p - q); log p where the residual has no mass."""
@@ -59,7 +61,7 @@ def _verify_row(
         correction_logp_V = jnp.where(rejected, _residual_logp(target_logp_V, draft_logp_V), target_logp_V)
     else:
         correction_logp_V = target_logp_V
-    correction = jax.random.categorical(correction_key, correction_logp_V).astype(jnp.int32)
+    correction = categorical(correction_key[None], correction_logp_V[None])[0]
     positions_K1 = jnp.arange(num_k + 1)
     padded_draft_K1 = jnp.concatenate([draft_tokens_K.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
     tokens_K1 = jnp.where(positions_K1 < accepted, padded_draft_K1, 0)

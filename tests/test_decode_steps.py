@@ -99,12 +99,11 @@ def test_a_finished_row_idles_at_most_n_minus_one_steps(many):
     assert after["target_row_forwards"] - before.get("target_row_forwards", 0) == 22
     assert after["decode_steps"] - before.get("decode_steps", 0) == 20  # loop steps run: 8 + 8 + 4
     _check_released(many)
-    # The steps' wall time splits into device wait and host work: both positive, the wait the larger part
-    # (3 calls of up to 8 forwards each against a few rows of bookkeeping per call).
+    # The steps' wall time splits into device wait and host work, both positive (their ratio is a speed
+    # figure: benchmarks/decode.py reports the host share).
     step_s = after["step_s"] - before["step_s"]
     wait_s = after["device_wait_s"] - before["device_wait_s"]
     assert 0 < wait_s < step_s
-    assert wait_s > 0.5 * step_s
 
 
 def test_pool_pressure_preempts_and_keeps_the_tokens(target, single):

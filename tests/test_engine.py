@@ -103,7 +103,10 @@ def test_paged_equals_contiguous_cache(target, engine):
 def test_logprobs_agree_with_score_and_plain_forward(target, engine, forward):
     _, _, params = target
     prompts = _prompts(2, [5, 30])
-    sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, max_new_tokens=9, n=3, seed=5)
+    # Seed 6: under seed 5 one sampled row reaches a top-p tie (the mass before its 17th-ranked token equals
+    # 0.9 of the top-20 mass to 1e-6), where logits 7e-7 apart (the batched scoring forward against decode)
+    # keep 16 or 17 tokens and the log-probs differ by 0.028 whichever is right.
+    sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, max_new_tokens=9, n=3, seed=6)
     outs = engine.generate(prompts, sp)
     full = [prompts[c.prompt_index] for c in outs]
     processed = engine.score(full, outs, sp)

@@ -196,20 +196,61 @@ def test_invalid_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_categorical_gives_jax_random_categorical_tokens():
-    # The same Gumbel noise and tie rule as jax.random.categorical, computed in another order: equal tokens
-    # for masked rows (-inf), exact ties (the lowest index), a row with one token left, wide and flat rows.
-    rng = np.random.default_rng(0)
-    logp_BV = rng.normal(size=(64, 512)).astype(np.float32) * 3
-    logp_BV[1::4, ::3] = -np.inf
-    logp_BV[2] = 0.0  # all tied
-    logp_BV[3] = -np.inf
-    logp_BV[3, 17] = 0.0  # one token left
-    logp_BV[5, :2] = 50.0  # two tied far above the rest: the noise decides between them
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(64))
-    for step in range(3):
-        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-        want = jax.vmap(jax.random.categorical)(step_keys, jnp.asarray(logp_BV))
-        got = jax.jit(sampling.categorical)(step_keys, jnp.asarray(logp_BV))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        assert int(got[3]) == 17 and int(got[5]) in (0, 1)
+@pytest.mark.parametrize(
+    "u, expected",
+    [
+        # Probabilities [.1, .2, 0, .3, .4, 0]: cumulative .1, .3, .3, .6, 1, 1; token i holds [c_(i-1), c_i).
+        (0.0, 0),
+        (0.05, 0),
+        (0.1, 1),  # an interval's right end belongs to the next token
+        (0.29, 1),
+        (0.31, 3),  # token 2 has probability 0: never drawn
+        (0.61, 4),
+        (1 - 2**-24, 4),  # the largest f32 below 1: the last token of positive probability, not token 5
+    ],
+)
+def test_inverse_cdf_golden(u, expected):
+    logp_1V = jnp.log(jnp.asarray([[0.1, 0.2, 0.0, 0.3, 0.4, 0.0]], jnp.float32))
+    assert int(sampling.inverse_cdf(jnp.asarray([u], jnp.float32), logp_1V)[0]) == expected
+
+
+def test_inverse_cdf_blocks_and_edges():
+    # V = 300: blocks of 128, 128 and 44 (+ 84 padding). Mass on tokens 5, 127, 128 and 299 (.25 each), zero
+    # elsewhere: cumulative .25 / .5 / .75 / 1 at those tokens, so u in [.25, .5) is token 127 (the last of
+    # block 0), u in [.5, .75) token 128 (the first of block 1), u near 1 token 299; never a token of
+    # probability 0 or a padding index.
+    p_V = np.zeros(300, np.float32)
+    p_V[[5, 127, 128, 299]] = 0.25
+    u_B = jnp.asarray([0.0, 0.24, 0.25, 0.49, 0.5, 0.74, 0.75, 0.999, 1 - 2**-24], jnp.float32)
+    logp_BV = jnp.broadcast_to(jnp.log(jnp.asarray(p_V))[None], (len(u_B), 300))
+    got = np.asarray(sampling.inverse_cdf(u_B, logp_BV))
+    np.testing.assert_array_equal(got, [5, 5, 127, 127, 128, 128, 299, 299, 299])
+    # Unnormalised log-probs (all scaled by e^3) give the same tokens.
+    np.testing.assert_array_equal(np.asarray(sampling.inverse_cdf(u_B, logp_BV + 3.0)), got)
+    one = jnp.full((1, 300), -jnp.inf).at[0, 17].set(0.0)  # one token left
+    assert int(sampling.inverse_cdf(jnp.asarray([0.99]), one)[0]) == 17
+    # All tied: the token at the u-quantile (u = .5: cumulative 151/300 > 150/300 first at token 150).
+    tied = jnp.zeros((3, 300))
+    got = sampling.inverse_cdf(jnp.asarray([0.0, 0.5, 0.999]), tied)
+    np.testing.assert_array_equal(np.asarray(got), [0, 150, 299])
+
+
+def test_categorical_frequencies_across_blocks():
+    # H0: tokens follow exp(logp) on a vocabulary of 3 blocks (mass on 6 tokens at block edges). Pearson
+    # chi-square at alpha = 0.001 over the 6 cells, df 5, critical value 20.52. Power against uniform mass on
+    # the 6 tokens (a search that ignored the probabilities): w^2 = sum (p1 - p0)^2 / p0 = 0.53 for p0 below,
+    # lambda = N w^2 = 10,600 at N = 20,000, power 1.0 to double precision (asserted >= 0.999).
+    n, alpha = 20_000, 0.001
+    idx = np.array([0, 127, 128, 255, 256, 299])
+    p0 = np.array([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
+    p1 = np.full(6, 1 / 6)
+    critical = stats.chi2.ppf(1 - alpha, 5)
+    assert stats.ncx2.sf(critical, 5, n * np.sum((p1 - p0) ** 2 / p0)) >= 0.999
+    logp_V = np.full(300, -np.inf, np.float32)
+    logp_V[idx] = np.log(p0)
+    keys_B = sample_keys(5, jnp.arange(n), jnp.zeros(n, jnp.int32), step=0)
+    tokens_B = jax.jit(sampling.categorical)(keys_B, jnp.broadcast_to(jnp.asarray(logp_V), (n, 300)))
+    counts = np.bincount(np.asarray(tokens_B), minlength=300)
+    assert counts.sum() == counts[idx].sum(), "a token of probability 0 was drawn"
+    statistic = np.sum((counts[idx] - n * p0) ** 2 / (n * p0))
+    assert statistic < critical, (counts[idx], n * p0)
