@@ -13,7 +13,9 @@ The main job: GRPO post-training over task domains, one step as in ../DESIGN.md 
    `validate.init_from_config`) and warm-started by SFT on reference solutions (the draft model, when there
    is one, learns from the same batches). SIGTERM or Ctrl-C during SFT saves its progress; the next start
    resumes it. `python -m rl.export` writes a run's state back as a Hugging Face checkpoint.
-4. Reference (the step-0 policy, for rl.loss.kl_kind), drafter (rl.engine.draft) and the engine.
+4. Reference (the step-0 policy, for rl.loss.kl_kind), drafter (rl.engine.draft) and the engine; the
+   engine's warmup runs in a thread while the update compiles on an empty batch of the rollout batches'
+   shapes (`_warm_up`), so the first step compiles nothing.
 5. The held-out evaluation (`rl.data.heldout_tasks`, the tasks `rl.evaluate` scores too).
 6. The loop, one rollout batch per step: batch (sampled, scored, filtered; in async mode by a producer
    thread, at most rl.max_staleness versions behind) -> update (rl.ppo_epochs x rl.mini_batches optimizer
