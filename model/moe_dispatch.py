@@ -264,17 +264,19 @@ def gathered_swiglu(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.Array
 
 
 def every_expert_swiglu(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.Array:
-    """Small-token path: every expert on every token as three plain matmuls over the stacked experts,
-    x @ [D, E * F] (gate and up), then (w_TE * h_TEF) @ [E * F, D], where w_TE holds each token's top-k
-    routing weights and zeros elsewhere: an unselected expert's row is multiplied by 0, so the output is
-    the top-k experts' weighted sum (in another order than the dispatch's: f32 rounding). E / k times
-    the routed FLOPs, but at decode-size batches the cost is reading the weights, which the dispatch
-    reads too (in E small matmuls plus a sort); three large matmuls read them faster."""
-    t, d = x_TD.shape
-    e, _, f = gate_EDF.shape
-    stack = lambda w_EDF: jnp.moveaxis(w_EDF, 0, 1).reshape(d, e * f)  # [D, E * F], expert-major columns
-    g_TEF = (x_TD @ stack(gate_EDF).astype(x_TD.dtype)).reshape(t, e, f)
-    u_TEF = (x_TD @ stack(up_EDF).astype(x_TD.dtype)).reshape(t, e, f)
-    w_TE = jnp.zeros((t, e), x_TD.dtype).at[jnp.arange(t)[:, None], idx_Tk].add(w_Tk.astype(x_TD.dtype))
+    """Small-token path: every expert on every token as three contractions with the stacked experts as
+    they are stored, x [T, D] with [E, D, F] (gate and up), then (w_TE * h_TEF) [T, E, F] with [E, F, D],
+    where w_TE holds each token's top-k routing weights and zeros elsewhere: an unselected expert's row is
+    multiplied by 0, so the output is the top-k experts' weighted sum (in another order than the
+    dispatch's: f32 rounding). E / k times the routed FLOPs, but at decode-size batches the cost is
+    reading the weights, which the dispatch reads too (in E small matmuls plus a sort). Contracting the
+    [E, D, F] weights directly, rather than first moving them to [D, E * F] (a copy of every gate and up
+    weight per call, inside the engine's decode loop), took a 4-layer MoE step at 16 tokens from 4.5-4.8
+    to 3.8-4.1 ms on the 2-core reference CPU (3.6 ms with weights stored pre-stacked)."""
+    dt = x_TD.dtype
+    g_TEF = jnp.einsum("td,edf->tef", x_TD, gate_EDF.astype(dt))
+    u_TEF = jnp.einsum("td,edf->tef", x_TD, up_EDF.astype(dt))
+    t, e = g_TEF.shape[:2]
+    w_TE = jnp.zeros((t, e), dt).at[jnp.arange(t)[:, None], idx_Tk].add(w_Tk.astype(dt))
     h_TEF = jax.nn.silu(g_TEF) * u_TEF * w_TE[:, :, None]
-    return h_TEF.reshape(t, e * f) @ down_EFD.reshape(e * f, d).astype(x_TD.dtype)
+    return jnp.einsum("tef,efd->td", h_TEF, down_EFD.astype(dt))
