@@ -140,10 +140,11 @@ def processed_logprobs(logits_BV: jax.Array, arrays: SamplingArrays) -> jax.Arra
         keep_BV = _top_k_mask(rank_BV, arrays.top_k_B)
         return keep_BV & _top_p_mask(probs_BV, keep_BV, order_BV, rank_BV, arrays.top_p_B)
 
+    # Ranking sorts the vocabulary twice per row (most of a decode step at V = 8k on CPU): skipped when no
+    # row uses top-k or top-p, where both masks are all true anyway (same result, bit for bit).
+    filtered = jnp.any(arrays.top_k_B > 0) | jnp.any(arrays.top_p_B < 1.0)
+
     def kept(_):
-        # Ranking sorts the vocabulary twice per row (most of a decode step at V = 8k on CPU): skipped when
-        # no row uses top-k or top-p, where both masks are all true anyway (same result, bit for bit).
-        filtered = jnp.any(arrays.top_k_B > 0) | jnp.any(arrays.top_p_B < 1.0)
         keep_BV = jax.lax.cond(filtered, ranked_keep, lambda _: jnp.ones(probs_BV.shape, bool), None)
         max_prob_B = jnp.max(probs_BV, axis=-1)
         keep_BV &= probs_BV >= (arrays.min_p_B * max_prob_B)[:, None]
@@ -151,8 +152,7 @@ def processed_logprobs(logits_BV: jax.Array, arrays: SamplingArrays) -> jax.Arra
 
     # With no filter on any row every token is kept, and renormalising over all of them is logp_BV itself
     # (the same log_softmax of the same values): skipped, as the greedy rows' one-hot is when none is greedy.
-    any_filter = jnp.any(arrays.top_k_B > 0) | jnp.any(arrays.top_p_B < 1.0) | jnp.any(arrays.min_p_B > 0.0)
-    processed_BV = jax.lax.cond(any_filter, kept, lambda _: logp_BV, None)
+    processed_BV = jax.lax.cond(filtered | jnp.any(arrays.min_p_B > 0.0), kept, lambda _: logp_BV, None)
     greedy = lambda _: jnp.where(greedy_B[:, None], _greedy_logp(logits_BV), processed_BV)
     return jax.lax.cond(jnp.any(greedy_B), greedy, lambda _: processed_BV, None)
 

@@ -446,33 +446,25 @@ def make_batch(
         if len(samples) > rows:
             raise ValueError(f"{len(samples)} samples do not fit a batch of rows={rows}")
         b = rows
-    tokens_BT = np.full((b, t), pad_id, np.int32)
-    mask_BT = np.zeros((b, t), np.float32)
-    logp_BT = np.zeros((b, t), np.float32)
+    routing_shape = _routing_shape(samples) if routing else None
+    batch = empty_batch(b, t, routing=routing_shape, domains=domains, pad_id=pad_id)
+    tokens_BT, mask_BT, logp_BT = batch["tokens_BT"], batch["mask_BT"], batch["behaviour_logp_BT"]
     for r, s in enumerate(samples):
         p, row = len(s.prompt_tokens), (s.prompt_tokens + s.tokens)[:t]
         tokens_BT[r, : len(row)] = row
         mask_BT[r, p : len(row)] = s.mask[: len(row) - p]
         logp_BT[r, p : len(row)] = s.behaviour_logp[: len(row) - p]
-    advantages_B = np.zeros(b, np.float32)
+        if routing:
+            n = min(s.expert_indices.shape[1], t)
+            batch["expert_indices"][:, r, :n] = s.expert_indices[:, :n]
+    advantages_B = batch["advantages_B"]
     advantages_B[: len(samples)] = advantages(samples, std=adv_std, eps=eps)
-    batch = {
-        "tokens_BT": tokens_BT,
-        "positions_BT": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-        "mask_BT": mask_BT,
-        "advantages_B": advantages_B,
-        "behaviour_logp_BT": logp_BT,
-    }
-    if routing:
-        batch["expert_indices"] = _routing_batch(samples, b, t)
     if domains is not None:
         index = {d: i for i, d in enumerate(domains)}
         unknown = sorted({s.task.domain for s in samples} - set(index))
         if unknown:
             raise ValueError(f"samples of domains {unknown} are not in domains={tuple(domains)}")
-        domain_B = np.full(b, -1, np.int32)
-        domain_B[: len(samples)] = [index[s.task.domain] for s in samples]
-        batch["domain_B"] = domain_B
+        batch["domain_B"][: len(samples)] = [index[s.task.domain] for s in samples]
     return batch, _stats(samples, lengths, t, mask_BT, advantages_B)
 
 
@@ -482,12 +474,14 @@ def empty_batch(
     *,
     routing: tuple[int, int] | None = None,
     domains: Sequence[str] | None = None,
+    pad_id: int = 0,
 ) -> dict[str, np.ndarray]:
-    """A batch of `make_batch`'s entries, shapes and dtypes with no sample in it (every row padding): what
-    the main job compiles its update on before the first rollout. `routing`: (MoE layers, experts per
-    token) for `expert_indices`; `domains` adds `domain_B`."""
+    """`make_batch`'s entries with every row padding (tokens `pad_id`, mask, log-probs and advantages 0,
+    experts 0..k-1, domain -1): what `make_batch` fills with its samples, and what the main job compiles
+    its update on before the first rollout. `routing`: (MoE layers, experts per token) for
+    `expert_indices`; `domains` adds `domain_B`."""
     batch = {
-        "tokens_BT": np.zeros((rows, seq_len), np.int32),
+        "tokens_BT": np.full((rows, seq_len), pad_id, np.int32),
         "positions_BT": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy(),
         "mask_BT": np.zeros((rows, seq_len), np.float32),
         "advantages_B": np.zeros(rows, np.float32),
@@ -503,7 +497,8 @@ def empty_batch(
     return batch
 
 
-def _routing_batch(samples: Sequence[Sample], b: int, t: int) -> np.ndarray:
+def _routing_shape(samples: Sequence[Sample]) -> tuple[int, int]:
+    """(MoE layers, experts per token) of the samples' recorded routing; every sample must carry one."""
     missing = [i for i, s in enumerate(samples) if s.expert_indices is None]
     if missing:
         raise ValueError(
@@ -511,11 +506,7 @@ def _routing_batch(samples: Sequence[Sample], b: int, t: int) -> np.ndarray:
             "EngineConfig(record_routing=True) (rl.routing_replay turns it on)"
         )
     num_layers, _, k = samples[0].expert_indices.shape
-    out_LBTk = np.broadcast_to(np.arange(k, dtype=np.int32), (num_layers, b, t, k)).copy()
-    for r, s in enumerate(samples):
-        n = min(s.expert_indices.shape[1], t)
-        out_LBTk[:, r, :n] = s.expert_indices[:, :n]
-    return out_LBTk
+    return num_layers, k
 
 
 def _stats(samples, lengths, t, mask_BT, advantages_B) -> dict[str, float]:

@@ -656,6 +656,11 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
     epochs, minis = int(rl.ppo_epochs), int(rl.mini_batches)
     use_kl = rl.loss.kl_kind != "none"
 
+    def mini_rows(rows: int) -> int:
+        if rows % minis:
+            raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
+        return rows // minis
+
     def update(state: TrainState, batch: dict, *, ref_params: nnx.State | None = None):
         batch = dict(batch)
         on_device = isinstance(batch["tokens_BT"], jax.Array)  # global arrays (rl.distributed.global_batch)
@@ -667,9 +672,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
         if epochs * minis > 1:
             batch["proximal_logp_BT"] = keep(proximal_fn(state.params, batch, state.model_state))
         rows = batch["tokens_BT"].shape[0]
-        if rows % minis:
-            raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
-        per = rows // minis
+        per = mini_rows(rows)
         # Per-pass row order: a function of the seed and the optimizer step (exact resume).
         rng = np.random.default_rng([int(rl.seed), int(state.step)])
         history = []
@@ -690,8 +693,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
         update this way while the engine warms up."""
         batch = dict(batch)
         rows = batch["tokens_BT"].shape[0]
-        if rows % minis:
-            raise ValueError(f"rl.mini_batches={minis} does not divide the batch of {rows} rows")
+        per = mini_rows(rows)
         per_BT = jax.ShapeDtypeStruct(batch["tokens_BT"].shape, jnp.float32)
         if use_kl:
             ref_fn.compile(ref_params, batch)
@@ -701,9 +703,9 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
             batch["proximal_logp_BT"] = per_BT
         if minis > 1:
             batch = {
-                k: jax.ShapeDtypeStruct(v.shape[:axis] + (rows // minis,) + v.shape[axis + 1 :], v.dtype)
+                k: jax.ShapeDtypeStruct(v.shape[:axis] + (per,) + v.shape[axis + 1 :], v.dtype)
                 for k, v in batch.items()
-                for axis in [1 if k == "expert_indices" else 0]
+                for axis in [BATCH_AXES[k].index("act_batch")]
             }
         step_fn.compile(state, batch)
 
