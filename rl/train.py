@@ -14,8 +14,8 @@ The main job: GRPO post-training over task domains, one step as in ../DESIGN.md 
    is one, learns from the same batches). SIGTERM or Ctrl-C during SFT saves its progress; the next start
    resumes it. `python -m rl.export` writes a run's state back as a Hugging Face checkpoint.
 4. Reference (the step-0 policy, for rl.loss.kl_kind), drafter (rl.engine.draft) and the engine; the
-   engine's warmup runs in a thread while the update compiles on an empty batch of the rollout batches'
-   shapes (`_warm_up`), so the first step compiles nothing.
+   engine's warmup, then the update's compile on an empty batch of the rollout batches' shapes
+   (`_warm_up`), so the first step compiles nothing.
 5. The held-out evaluation (`rl.data.heldout_tasks`, the tasks `rl.evaluate` scores too).
 6. The loop, one rollout batch per step: batch (sampled, scored, filtered; in async mode by a producer
    thread, at most rl.max_staleness versions behind) -> update (rl.ppo_epochs x rl.mini_batches optimizer
@@ -518,12 +518,11 @@ ROW_AXIS = {"expert_indices": 1}  # the row dimension of batch entries whose row
 
 
 def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
-    """Compiles before the first step: the engine's `warmup()` in a thread while this one compiles the update
-    (`update.compile`) on an empty batch of the rollout batches' shapes and placement, so the first step
-    compiles nothing. The overlap itself gains little on 2 cores (each XLA compile already uses both:
-    14.0 s together against 15.05 s one after the other on the anchor dense model)."""
-    import concurrent.futures
-
+    """Compiles before the first step: the engine's `warmup()`, then the update (`update.compile`) on an
+    empty batch of the rollout batches' shapes and placement, so the first step compiles nothing. One after
+    the other: run in a thread beside the update's compile, the engine's warmup aborted in XLA
+    (test_train_options::test_drafters_in_the_rollout, 3 of 3 tries in a full suite), and the overlap
+    gained only 1 s of 15 on 2 cores (each compile already uses both)."""
     from rl import distributed, rollout, train_step
 
     rl = cfg.rl
@@ -534,12 +533,8 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
         domains=tuple(rl.domains) if rl.gradient_projection else None,
     )
     shardings = train_step.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-warmup") as workers:
-        warm = workers.submit(engine.warmup)
-        try:
-            update.compile(state, distributed.global_batch(local, shardings, ROW_AXIS), ref_params=ref_params)
-        finally:
-            warm.result()
+    engine.warmup()
+    update.compile(state, distributed.global_batch(local, shardings, ROW_AXIS), ref_params=ref_params)
 
 
 def _recorded(batches: list, tasks: list) -> list:
