@@ -520,9 +520,8 @@ ROW_AXIS = {"expert_indices": 1}  # the row dimension of batch entries whose row
 def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     """Compiles before the first step: the engine's `warmup()`, then the update (`update.compile`) on an
     empty batch of the rollout batches' shapes and placement, so the first step compiles nothing. One after
-    the other: run in a thread beside the update's compile, the engine's warmup aborted in XLA
-    (test_train_options::test_drafters_in_the_rollout, 3 of 3 tries in a full suite), and the overlap
-    gained only 1 s of 15 on 2 cores (each compile already uses both)."""
+    the other: a thread overlapping the two gained only 1 s of 15 on 2 cores (each compile already uses
+    both)."""
     from rl import distributed, rollout, train_step
 
     rl = cfg.rl
