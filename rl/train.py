@@ -231,7 +231,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         # ---- The loop: batch -> update -> weights to the engine -> draft -> curriculum -> log -> checkpoint
         # Each process rolls out its share of every round's global task draw (rl.distributed.TaskShard)
         # into its rows of the global batch (rows_here).
-        row_axis = ROW_AXIS
+        row_axis = train_step.ROW_AXIS
 
         def produce() -> pipeline.RolloutBatch:
             seed = rollout.derive_seed(rl.seed, "batch", source.next_batch_index())
@@ -514,9 +514,6 @@ def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed
     return state, draft_state, done
 
 
-ROW_AXIS = {"expert_indices": 1}  # the row dimension of batch entries whose rows are not their first axis
-
-
 def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     """Compiles before the first step: the engine's `warmup()`, then the update (`update.compile`) on an
     empty batch of the rollout batches' shapes and placement, so the first step compiles nothing. One after
@@ -533,7 +530,8 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     )
     shardings = train_step.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
     engine.warmup()
-    update.compile(state, distributed.global_batch(local, shardings, ROW_AXIS), ref_params=ref_params)
+    batch = distributed.global_batch(local, shardings, train_step.ROW_AXIS)
+    update.compile(state, batch, ref_params=ref_params)
 
 
 def _recorded(batches: list, tasks: list) -> list:

@@ -83,6 +83,8 @@ BATCH_AXES = {
     "domain_B": ("act_batch",),
 }
 SFT_KEYS = ("tokens_BT", "positions_BT", "mask_BT")
+# The row dimension of each batch entry (axis 1 of expert_indices [L, B, T, k], axis 0 of the rest).
+ROW_AXIS = {k: axes.index("act_batch") for k, axes in BATCH_AXES.items()}
 
 
 @struct.dataclass
@@ -188,7 +190,7 @@ def _batch_shardings(keys, mesh, rules, rows: int | None = None) -> dict[str, Na
     for k in keys:
         spec = sharding.mesh_spec(BATCH_AXES[k], rules, mesh)
         if rows is not None:
-            spec = _fit_rows(spec, BATCH_AXES[k].index("act_batch"), rows, mesh)
+            spec = _fit_rows(spec, ROW_AXIS[k], rows, mesh)
         out[k] = NamedSharding(mesh, spec)
     return out
 
@@ -705,7 +707,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
             batch = {
                 k: jax.ShapeDtypeStruct(v.shape[:axis] + (per,) + v.shape[axis + 1 :], v.dtype)
                 for k, v in batch.items()
-                for axis in [BATCH_AXES[k].index("act_batch")]
+                for axis in [ROW_AXIS[k]]
             }
         step_fn.compile(state, batch)
 
@@ -714,11 +716,11 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
 
 
 def _take_rows(batch: Batch, idx_R: np.ndarray) -> Batch:
-    """The rows `idx_R` of every entry (rows on axis 1 of expert_indices): host arrays are indexed on the
+    """The rows `idx_R` of every entry (along its `ROW_AXIS`): host arrays are indexed on the
     host, global arrays on their devices (the same indices on every process)."""
     out = {}
     for k, v in batch.items():
-        axis = 1 if k == "expert_indices" else 0
+        axis = ROW_AXIS[k]
         out[k] = (
             jnp.take(v, jnp.asarray(idx_R), axis=axis)
             if isinstance(v, jax.Array)

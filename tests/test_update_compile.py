@@ -15,7 +15,6 @@ from model import config as model_config
 from model import sharding
 from rl import distributed, rollout
 from rl import train_step as ts
-from rl.train import ROW_AXIS
 
 B, T = 8, 16
 
@@ -75,7 +74,7 @@ def test_compiled_update_compiles_nothing_and_keeps_the_state(caplog):
     update = ts.make_grpo_update(cfg, model_def, mesh=mesh)
     layers, k = model_config.layer_counts(cfg.model)[1], cfg.model.moe.top_k
     place = lambda local: distributed.global_batch(
-        local, ts.batch_shardings(cfg, tuple(local), mesh, B), ROW_AXIS
+        local, ts.batch_shardings(cfg, tuple(local), mesh, B), ts.ROW_AXIS
     )
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True):
