@@ -614,9 +614,12 @@ class Engine(Scheduler):
         when an engine is rebuilt)."""
         g, e, place = self._graphdef, self.ecfg, self._placement()
         self._prefill_fn = steps.jitted("prefill", g, place=place)
-        self._decode = steps.jitted("decode", g, place=place)
+        rows, spec_rows = e.max_batch, e.max_batch * (e.num_draft + 1)  # the matmul rows of each call
+        self._decode = steps.jitted("decode", g, place=place, rows=rows)
         self._decode_many = (
-            steps.jitted("decode_many", g, e.decode_steps, place=place) if e.decode_steps > 1 else None
+            steps.jitted("decode_many", g, e.decode_steps, place=place, rows=rows)
+            if e.decode_steps > 1
+            else None
         )
         self._score = steps.jitted("score", g, place=place)
         self._copy = steps.jitted("copy", place=place)
@@ -634,12 +637,18 @@ class Engine(Scheduler):
                 else dataclasses.replace(place, params=place.draft_params, kv=place.draft_kv)
             )
             self._draft_prefill = steps.jitted("prefill", draft_g, place=draft_place)
-            self._spec = steps.jitted("spec_model", g, draft_g, e.num_draft, self._resample_from, place=place)
+            self._spec = steps.jitted(
+                "spec_model", g, draft_g, e.num_draft, self._resample_from, place=place, rows=spec_rows
+            )
         elif isinstance(self.draft, MTPDrafter):
             self._prefill_fn = steps.jitted("prefill_mtp", g, place=place)
-            self._spec = steps.jitted("spec_mtp", g, e.num_draft, self._resample_from, place=place)
+            self._spec = steps.jitted(
+                "spec_mtp", g, e.num_draft, self._resample_from, place=place, rows=spec_rows
+            )
         elif self.draft is not None:  # one-hot proposals from the host
-            self._spec = steps.jitted("spec_tokens", g, self.vocab, self._resample_from, place=place)
+            self._spec = steps.jitted(
+                "spec_tokens", g, self.vocab, self._resample_from, place=place, rows=spec_rows
+            )
 
     def _placement(self) -> layout.Placement | None:
         trees = (self.params, self.kv, self.draft_params, self.draft_kv, self.mtp_kv)

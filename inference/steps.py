@@ -391,17 +391,47 @@ def _function(kind: str, static: tuple):
     raise ValueError(f"unknown step kind {kind!r}")
 
 
+# XLA:CPU runs every dot in YNNPACK (a `ynn_fusion`). At decode-size row counts its own (Eigen) dot kernels
+# are faster: 8 dependent [M, 512] x [512, 2048] matmuls on the 2-core reference CPU took 5.4 / 8.4 ms
+# through YNNPACK against 3.9 / 5.9 ms at M = 4 / 16, while at M = 64 YNNPACK won (13 against 20 ms).
+# A step whose matmuls have at most this many rows compiles without YNN fusions on CPU (`dot_options`).
+SMALL_DOT_ROWS = 32
+_NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def _no_ynn_supported() -> bool:
+    """Whether this jaxlib takes the option (an XLA:CPU debug option: a later release may rename it)."""
+    try:
+        jax.jit(lambda x: x @ x, compiler_options=_NO_YNN).lower(jnp.ones((2, 2))).compile()
+    except Exception:  # noqa: BLE001 - an unknown option is refused with a backend-specific error
+        return False
+    return True
+
+
+def dot_options(rows: int, platform: str) -> dict | None:
+    """The compiler options of a step whose matmuls have `rows` rows (0: not known, e.g. bucketed prefill)
+    on `platform`: on CPU, up to SMALL_DOT_ROWS rows, dots outside YNNPACK; otherwise XLA's defaults."""
+    if platform != "cpu" or not 0 < rows <= SMALL_DOT_ROWS or not _no_ynn_supported():
+        return None
+    return dict(_NO_YNN)
+
+
 @functools.lru_cache(maxsize=64)
-def jitted(kind: str, *static, place: layout.Placement | None = None):
+def jitted(kind: str, *static, place: layout.Placement | None = None, rows: int = 0):
     """The jitted step `kind` over static arguments (graph definitions, sizes), shared by every engine over
     the same model graph, sizes and placement, so an engine rebuilt with them does not re-trace.
 
     With a `place` (an engine on a mesh) every argument and output gets its sharding from it (weights and
     caches as placed, the rest replicated) and the step traces under the mesh, so the model's activation
-    constraints apply; `copy` copies the pages of `place.kv`. Without one, placements follow the arguments."""
+    constraints apply; `copy` copies the pages of `place.kv`. Without one, placements follow the arguments.
+    `rows`: the rows of the step's matmuls, where every call has the same (decode: max_batch; speculative:
+    max_batch * (num_draft + 1)); it picks the CPU dot kernels (`dot_options`)."""
     fn, donate = _function(kind, static)
+    platform = jax.default_backend() if place is None else place.mesh.devices.flat[0].platform
+    options = dot_options(rows, platform)
     if place is None:
-        return jax.jit(fn, donate_argnums=donate)
+        return jax.jit(fn, donate_argnums=donate, compiler_options=options)
     ins, outs = _SIGNATURES[kind]
     pick = lambda name: place.replicated if name is None else getattr(place, name).tree
     out_shardings = pick(outs) if isinstance(outs, str) else tuple(pick(n) for n in outs)
@@ -417,4 +447,5 @@ def jitted(kind: str, *static, place: layout.Placement | None = None):
         in_shardings=tuple(pick(n) for n in ins),
         out_shardings=out_shardings,
         donate_argnums=donate,
+        compiler_options=options,
     )
