@@ -48,7 +48,7 @@ def table() -> str:
     grpo = _lines("grpo_step.jsonl")
     ours, tunix, compare = (_runs(grpo, b) for b in ("grpo_step", "grpo_step_tunix", "grpo_step_compare"))
     decode = _lines("decode_peer.jsonl")
-    peer = _by(decode, "decode_peer")
+    peer, peer_runs = _by(decode, "decode_peer"), _runs(decode, "decode_peer")
     runs = len(compare[ARCHS[0][0]])
     rows = [
         f"| figure (median after the first step or call; GRPO: median of {runs} runs) | ours | Tunix 0.1.7 |"
@@ -77,12 +77,18 @@ def table() -> str:
             " warmup |"
         )
     for arch, label in ARCHS:
-        p = peer[arch]
+        p = peer[arch]  # the file's last run; the ratios of the earlier ones follow
+        earlier = "; ".join(
+            f"{_ratio(x.get('ours_vs_tunix'))}, {_ratio(x.get('ours_vs_transformers'))}"
+            for x in peer_runs[arch][:-1]
+        )
         rows.append(
             f"| decode tok/s, batch 16, {label} (ours: 8 steps per call; 1 step) | {p['ours_tok_s']:,.0f}"
             f" ({p['ours_decode_steps_1_tok_s']:,.0f}) | {p.get('tunix_tok_s', 0):,.0f} |"
             f" {p.get('transformers_tok_s', 0):,.0f} | {_ratio(p.get('ours_vs_tunix'))} Tunix,"
-            f" {_ratio(p.get('ours_vs_transformers'))} transformers |"
+            f" {_ratio(p.get('ours_vs_transformers'))} transformers"
+            + (f" (earlier run: {earlier})" if earlier else "")
+            + " |"
         )
     phases = []
     for arch, label in ARCHS:
@@ -97,6 +103,9 @@ def table() -> str:
     notes = ["", "Our step's phases (medians over the runs): " + "; ".join(phases) + "."]
     if spec:
         by = spec[-1]["by_batch"]
+        earlier = "; ".join(
+            ", ".join(f"{v['speedup']:.2f}x" for v in line["by_batch"].values()) for line in spec[:-1]
+        )
         notes.append(
             "Speculative decoding (k = 4, the trained pair of `benchmarks/decode.py`), T = 1, wall-clock"
             " speedup over plain decoding of the same target by batch: "
@@ -105,10 +114,11 @@ def table() -> str:
                 f" acceptance {v['acceptance_rate']:.2f})"
                 for k, v in by.items()
             )
+            + (f" (earlier run: {earlier})" if earlier else "")
             + "."
         )
     loads = [x["loadavg_start"][0] for a, _ in ARCHS for x in ours[a]] + [
-        peer[a]["loadavg_start"][0] for a, _ in ARCHS
+        x["loadavg_start"][0] for a, _ in ARCHS for x in peer_runs[a]
     ]
     notes.append(f"Load average (1 min) at the start of each measurement: {min(loads):.2f}-{max(loads):.2f}.")
     return "\n".join(rows + notes)
