@@ -392,10 +392,11 @@ def _function(kind: str, static: tuple):
 
 
 # XLA:CPU runs every dot in YNNPACK (a `ynn_fusion`). At decode-size row counts its own (Eigen) dot kernels
-# are faster: 8 dependent [M, 512] x [512, 2048] matmuls on the 2-core reference CPU took 5.4 / 8.4 ms
-# through YNNPACK against 3.9 / 5.9 ms at M = 4 / 16, while at M = 64 YNNPACK won (13 against 20 ms).
-# A step whose matmuls have at most this many rows compiles without YNN fusions on CPU (`dot_options`).
-SMALL_DOT_ROWS = 32
+# are faster: 8 dependent [M, 512] x [512, 2048] matmuls on the 2-core reference CPU ran 1.34x / 1.64x /
+# 1.52x / 1.30x faster on Eigen at M = 4 / 8 / 16 / 32, while YNNPACK won at M = 1 / 2 (0.97x / 0.91x) and
+# from M = 64 on (0.74x): `benchmarks/small_dots.py`, benchmarks/results/small_dots.jsonl. A step whose
+# matmuls have SMALL_DOT_MIN_ROWS .. SMALL_DOT_ROWS rows compiles without YNN fusions on CPU (`dot_options`).
+SMALL_DOT_MIN_ROWS, SMALL_DOT_ROWS = 4, 32
 _NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -411,8 +412,9 @@ def _no_ynn_supported() -> bool:
 
 def dot_options(rows: int, platform: str) -> dict | None:
     """The compiler options of a step whose matmuls have `rows` rows (0: not known, e.g. bucketed prefill)
-    on `platform`: on CPU, up to SMALL_DOT_ROWS rows, dots outside YNNPACK; otherwise XLA's defaults."""
-    if platform != "cpu" or not 0 < rows <= SMALL_DOT_ROWS or not _no_ynn_supported():
+    on `platform`: on CPU, from SMALL_DOT_MIN_ROWS to SMALL_DOT_ROWS rows, dots outside YNNPACK; otherwise
+    XLA's defaults."""
+    if platform != "cpu" or not SMALL_DOT_MIN_ROWS <= rows <= SMALL_DOT_ROWS or not _no_ynn_supported():
         return None
     return dict(_NO_YNN)
 

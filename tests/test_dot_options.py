@@ -18,8 +18,10 @@ NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 def test_the_rule_by_rows_and_platform():
     if not steps._no_ynn_supported():
         pytest.skip("this jaxlib has no xla_cpu_experimental_ynn_fusion_type")
-    assert steps.SMALL_DOT_ROWS == 32
-    assert steps.dot_options(1, "cpu") == NO_YNN
+    assert (steps.SMALL_DOT_MIN_ROWS, steps.SMALL_DOT_ROWS) == (4, 32)
+    assert steps.dot_options(1, "cpu") is None  # a matrix-vector product: YNNPACK is as fast or faster
+    assert steps.dot_options(3, "cpu") is None
+    assert steps.dot_options(4, "cpu") == NO_YNN
     assert steps.dot_options(32, "cpu") == NO_YNN
     assert steps.dot_options(33, "cpu") is None
     assert steps.dot_options(0, "cpu") is None  # rows not known (bucketed prefill, scoring)
@@ -48,10 +50,10 @@ def test_the_engine_passes_its_row_counts():
     cfg = tiny.get_config()
     params = nnx.state(model.build(cfg, seed=0), nnx.Param)
     ecfg = EngineConfig(
-        max_batch=3, max_seq_len=32, page_size=8, prefill_chunk=16, min_bucket=16, num_draft=2
+        max_batch=4, max_seq_len=32, page_size=8, prefill_chunk=16, min_bucket=16, num_draft=2
     )
     eng = Engine(cfg, params, ecfg)
     g = eng._graphdef
-    assert eng._decode is steps.jitted("decode", g, place=None, rows=3)
+    assert eng._decode is steps.jitted("decode", g, place=None, rows=4)
     spec = Engine(cfg, params, ecfg, draft=NgramDrafter(3))
-    assert spec._spec is steps.jitted("spec_tokens", g, spec.vocab, "residual", place=None, rows=3 * 3)
+    assert spec._spec is steps.jitted("spec_tokens", g, spec.vocab, "residual", place=None, rows=4 * 3)
