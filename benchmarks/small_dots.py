@@ -43,8 +43,6 @@ from inference import SamplingParams, steps
 from inference.drafters import ModelDrafter
 from model import transformer as model
 
-NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
 
 def _median_ms(fn, *args, calls: int = 40) -> float:
     jax.block_until_ready(fn(*args))
@@ -65,7 +63,7 @@ def section_matmul() -> dict:
             x_MD = jnp.tanh(x_MD @ w)[:, :512]
         return x_MD
 
-    programs = {"ynnpack": jax.jit(chain), "eigen": jax.jit(chain, compiler_options=NO_YNN)}
+    programs = {"ynnpack": jax.jit(chain), "eigen": jax.jit(chain, compiler_options=steps.NO_YNN)}
     by_m = {}
     for m in (1, 2, 4, 8, 16, 32, 64, 128):
         x = jnp.ones((m, 512))

@@ -397,14 +397,14 @@ def _function(kind: str, static: tuple):
 # from M = 64 on (0.74x): `benchmarks/small_dots.py`, benchmarks/results/small_dots.jsonl. A step whose
 # matmuls have SMALL_DOT_MIN_ROWS .. SMALL_DOT_ROWS rows compiles without YNN fusions on CPU (`dot_options`).
 SMALL_DOT_MIN_ROWS, SMALL_DOT_ROWS = 4, 32
-_NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 @functools.cache
 def _no_ynn_supported() -> bool:
     """Whether this jaxlib takes the option (an XLA:CPU debug option: a later release may rename it)."""
     try:
-        jax.jit(lambda x: x @ x, compiler_options=_NO_YNN).lower(jnp.ones((2, 2))).compile()
+        jax.jit(lambda x: x @ x, compiler_options=NO_YNN).lower(jnp.ones((2, 2))).compile()
     except Exception:  # noqa: BLE001 - an unknown option is refused with a backend-specific error
         return False
     return True
@@ -416,7 +416,7 @@ def dot_options(rows: int, platform: str) -> dict | None:
     XLA's defaults."""
     if platform != "cpu" or not SMALL_DOT_MIN_ROWS <= rows <= SMALL_DOT_ROWS or not _no_ynn_supported():
         return None
-    return dict(_NO_YNN)
+    return dict(NO_YNN)
 
 
 @functools.lru_cache(maxsize=64)

@@ -231,7 +231,6 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         # ---- The loop: batch -> update -> weights to the engine -> draft -> curriculum -> log -> checkpoint
         # Each process rolls out its share of every round's global task draw (rl.distributed.TaskShard)
         # into its rows of the global batch (rows_here).
-        row_axis = train_step.ROW_AXIS
 
         def produce() -> pipeline.RolloutBatch:
             seed = rollout.derive_seed(rl.seed, "batch", source.next_batch_index())
@@ -289,7 +288,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     step_metrics["train/skipped"] = 1.0
                 else:
                     shardings = train_step.batch_shardings(cfg, tuple(item.batch), mesh, cfg.batch_size)
-                    batch = distributed.global_batch(item.batch, shardings, row_axis)
+                    batch = distributed.global_batch(item.batch, shardings, train_step.ROW_AXIS)
                     state, update_metrics = update(state, batch, ref_params=ref_params)
                     step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
                     step_metrics.update(push_weights(train_step.weights(state)))  # with the selection biases
