@@ -100,9 +100,16 @@ def grpo_cfg(arch: str):
     rl.max_attempts, rl.quality_gate = 1, False
     # The engine sized for the step, as the peer's sampler is (batch 16, its cache the prompt + new tokens):
     # one decode slot per row (the default 32 slots would run 16 idle rows every decode step) and one
-    # prefill length bucket past the 31-token contexts (min_bucket = prefill_chunk = 32: the engine compiles
-    # prefill at 32 tokens only, for 1, 2 and 4 rows, not also at 16).
-    rl.engine.update(max_batch=rl.prompts_per_step * rl.group_size, prefill_chunk=32, min_bucket=32)
+    # prefill shape for the step's 4 prompts of 31 tokens (min_bucket = prefill_chunk = 32 and
+    # min_prefill_batch = prefill_batch = 4: the engine compiles prefill at 4 x 32 only, not also at 16
+    # tokens or 1 and 2 rows), as the peer's sampler compiles its one shape.
+    rl.engine.update(
+        max_batch=rl.prompts_per_step * rl.group_size,
+        prefill_chunk=32,
+        min_bucket=32,
+        prefill_batch=rl.prompts_per_step,
+        min_prefill_batch=rl.prompts_per_step,
+    )
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     validate.validate(cfg)
@@ -251,6 +258,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
                 length_bucket=cfg.seq_len,
                 max_len=cfg.seq_len,
                 rows=cfg.batch_size,
+                window=train_step.logit_window(cfg, cfg.seq_len),
             )
         tracing = trace_dir and i == steps  # the last step, under jax.profiler
         if tracing:
@@ -323,11 +331,13 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
                 "page_size",
                 "prefill_chunk",
                 "prefill_batch",
+                "min_prefill_batch",
                 "min_bucket",
                 "scheduler",
                 "decode_steps",
             )
         },
+        "logit_window": train_step.logit_window(cfg, cfg.seq_len),
         "warmup_s": round(warmup_s, 3),  # the engine's warmup beside the update's compile (rl.train._warm_up)
         "warmup_compiles": warm_compiles,
         "jit_compiles_in_first_step": compiles_after_first - compiles_before_first if steps else None,
@@ -417,6 +427,9 @@ def differences(ours: dict, tunix: dict) -> list[str]:
         ),
         "reference log-probs: ours one jitted forward of a frozen f32 copy of the step-0 params; Tunix a "
         "second model built with the same seed",
+        f"logits: ours (train and reference forwards) at {ours['logit_window']} positions per row from the "
+        "one before its first completion token (rl.train_step.logit_window: single-turn rows train on at "
+        "most rl.max_new_tokens tokens); Tunix at every position, then the last 64 sliced",
         "loss: both GRPO with clip 0.2 both sides, sequence-mean-token-mean aggregation and the k1 KL "
         "(beta 0.04) as Tunix GRPOConfig's defaults; ours adds TIS weights from the behaviour log-probs "
         "(cap 2, about 1 on-policy) and the train/inference mismatch metrics",

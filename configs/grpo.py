@@ -179,6 +179,9 @@ def _rl_table() -> dict:
         "engine.host_cache_pages": Int(0, "host-tier pages for cold prefix blocks (0: off)", lo=0),
         "engine.prefill_chunk": Int(64, "longest prefill call, a power of two (small: 256)", lo=1),
         "engine.prefill_batch": Int(4, "rows per prefill call, a power of two", lo=1),
+        "engine.min_prefill_batch": Int(
+            1, "fewest rows per prefill call (fewer are padded), a power of two <= prefill_batch", lo=1
+        ),
         "engine.min_bucket": Int(16, "shortest prefill / score length bucket, a power of two", lo=1),
         "engine.score_batch": Int(8, "rows per scoring call, a power of two", lo=1),
         "engine.decode_steps": Int(

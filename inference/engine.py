@@ -395,7 +395,7 @@ class Engine(Scheduler):
             zeros = lambda *shape: np.zeros(shape, np.int32)
             t = e.min_bucket
             while t <= e.prefill_chunk:
-                b = 1
+                b = e.min_prefill_batch
                 while b <= e.prefill_batch:
                     self._run_prefill(zeros(b, t), zeros(b, t), zeros(b, e.pages_per_seq), zeros(b), zeros(b))
                     b *= 2

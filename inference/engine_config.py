@@ -22,6 +22,9 @@ class EngineConfig:
     host_cache_pages: int = 0  # host-tier pages for cold prefix blocks (0: off)
     prefill_chunk: int = 256  # longest prefill call; longer contexts are prefilled in chunks
     prefill_batch: int = 4  # rows per prefill call (bucketed to powers of two)
+    # Fewest rows of a prefill call: a call with fewer is padded up to it, so only the row buckets from here
+    # to prefill_batch are compiled (e.g. = prefill_batch when every round prefills that many prompts).
+    min_prefill_batch: int = 1
     min_bucket: int = 16  # shortest prefill / score length bucket
     num_draft: int = 4  # k: tokens proposed per speculative step
     scheduler: str = "continuous"
@@ -46,6 +49,7 @@ class EngineConfig:
             "page_size",
             "prefill_chunk",
             "prefill_batch",
+            "min_prefill_batch",
             "min_bucket",
             "num_draft",
             "score_batch",
@@ -54,13 +58,18 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1.")
-        for name in ("prefill_chunk", "prefill_batch", "min_bucket", "score_batch"):
+        for name in ("prefill_chunk", "prefill_batch", "min_prefill_batch", "min_bucket", "score_batch"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"engine.{name}={value} must be a power of two (it is a bucket size).")
         if self.min_bucket > self.prefill_chunk:
             raise ValueError(
                 f"engine.min_bucket={self.min_bucket} must be <= prefill_chunk={self.prefill_chunk}."
+            )
+        if self.min_prefill_batch > self.prefill_batch:
+            raise ValueError(
+                f"engine.min_prefill_batch={self.min_prefill_batch} must be <= "
+                f"prefill_batch={self.prefill_batch}."
             )
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"engine.scheduler={self.scheduler!r} is unknown; choose one of {SCHEDULERS}.")

@@ -138,7 +138,7 @@ class Scheduler:
             work.sort(key=lambda w: len(w[2]) - w[1], reverse=True)
             batch = work[: e.prefill_batch]
             t = min(e.prefill_chunk, max(e.min_bucket, pow2(max(len(c) - s for _, s, c in batch))))
-            b = pow2(len(batch))
+            b = max(e.min_prefill_batch, pow2(len(batch)))
             tokens, table = np.zeros((b, t), np.int32), np.zeros((b, e.pages_per_seq), np.int32)
             next_tokens = np.zeros((b, t), np.int32)  # the token after each (the MTP drafter reads it)
             start_B, num_B = np.zeros(b, np.int32), np.zeros(b, np.int32)

@@ -150,11 +150,14 @@ def page_keys(cache: dict) -> tuple[str, ...]:
 
 
 class Transformer(nnx.Module):
-    """`__call__(tokens_BT, positions_BT, *, segment_ids=None, kv_cache=None, expert_indices=None)`
-    returns `(logits_BTV in f32, aux)`. `aux` holds the MoE losses (`moe_loss` is the weighted sum to
-    add to a training loss), per-layer expert load, dropped tokens, the chosen experts
-    (`expert_indices [L_moe, B, T, k]`, to replay routing), the last hidden state before the final norm
-    (`hidden`, what multi-token prediction reads: `mtp_logits`), and `kv_cache` when one was passed.
+    """`__call__(tokens_BT, positions_BT, *, segment_ids=None, kv_cache=None, expert_indices=None,
+    logit_positions=None)` returns `(logits_BTV in f32, aux)`; with `logit_positions` [B, K] (indices into
+    each row, clipped to T - 1; a contiguous-cache or cache-free call) the logits of those positions only,
+    logits_BKV: the LM head and its softmax cost K / T of the full ones. `aux` holds the MoE losses
+    (`moe_loss` is the weighted sum to add to a training loss), per-layer expert load, dropped tokens, the
+    chosen experts (`expert_indices [L_moe, B, T, k]`, to replay routing), the last hidden state before the
+    final norm (`hidden`, what multi-token prediction reads: `mtp_logits`), and `kv_cache` when one was
+    passed.
     """
 
     def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
@@ -233,6 +236,7 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
         kv_cache: dict | None = None,
         expert_indices: jax.Array | None = None,
+        logit_positions: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         m = self.cfg.model
         b, t = tokens_BT.shape
@@ -254,6 +258,8 @@ class Transformer(nnx.Module):
         new_cache = {}
         moe_aux = {}
         if paged:
+            if logit_positions is not None:
+                raise ValueError("logit_positions is for cache-free or contiguous-cache forwards, not paged")
             return self._paged_call(x_BTD, positions_BT, kv_cache, expert_indices)
         if self.dense_layers is not None:
             x_BTD, _, new_cache["dense"] = self.dense_layers(
@@ -263,7 +269,11 @@ class Transformer(nnx.Module):
             x_BTD, moe_aux, new_cache["moe"] = self.moe_layers(
                 x_BTD, positions_BT, segment_ids, layer_cache("moe"), expert_indices
             )
-        logits_BTV = self._logits(x_BTD)
+        if logit_positions is None:
+            logits_BTV = self._logits(x_BTD)
+        else:
+            index_BK = jnp.clip(logit_positions.astype(jnp.int32), 0, t - 1)
+            logits_BTV = self._logits(jnp.take_along_axis(x_BTD, index_BK[:, :, None], axis=1))
         aux = summarize_aux(moe_aux, m.moe)
         aux["hidden"] = x_BTD
         if kv_cache is not None:

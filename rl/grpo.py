@@ -130,6 +130,7 @@ def token_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    positions_BK: Array | None = None,
 ) -> Array:
     """logp_BT[:, t] = log p(tokens[:, t] | tokens[:, <t]) from logits[:, t - 1]; 0 at t = 0.
 
@@ -139,20 +140,47 @@ def token_logprobs(
     through the renormalised kept logits only. With every filter off this is the plain tempered softmax.
     The arguments after `tokens_BT` are static Python numbers; temperature 0 (greedy) is refused: it has no
     log-prob to train on.
+
+    `positions_BK`: the logits are logits_BKV of those positions only (`window_positions`); logp_BT then
+    holds the log-probs of the tokens after them (t = position + 1) and 0 everywhere else.
     """
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be > 0 (greedy decoding has no log-probs)")
     sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)  # Validates.
+    if positions_BK is not None:
+        length = tokens_BT.shape[1]
+        valid_BK = positions_BK <= length - 2  # the last position predicts nothing
+        index_BK = jnp.clip(positions_BK, 0, length - 2) + 1
+        next_BK = jnp.take_along_axis(tokens_BT, index_BK, axis=1)
+        logp_BK = _next_logprobs(logits_BTV, next_BK, temperature, top_k, top_p, min_p)
+        rows_B1 = jnp.arange(tokens_BT.shape[0])[:, None]
+        # Clipped positions all land on t = T - 1 and add 0 there.
+        logp_BT = jnp.zeros(tokens_BT.shape, logp_BK.dtype)
+        return logp_BT.at[rows_B1, index_BK].add(jnp.where(valid_BK, logp_BK, 0.0))
     # Position t predicts token t + 1; rolling the [B, T] targets avoids slicing (copying) [B, T, V] logits.
     next_BT = jnp.roll(tokens_BT, -1, axis=1)
-    if top_k or top_p < 1.0 or min_p:
-        logp_next_BT = _processed_logprobs(logits_BTV, next_BT, temperature, top_k, top_p, min_p)
-    else:
-        logits_BTV = _f32(logits_BTV) / temperature
-        picked_BT = jnp.take_along_axis(logits_BTV, next_BT[:, :, None], axis=-1)[:, :, 0]
-        logp_next_BT = picked_BT - jax.nn.logsumexp(logits_BTV, axis=-1)
+    logp_next_BT = _next_logprobs(logits_BTV, next_BT, temperature, top_k, top_p, min_p)
     logp_BT = jnp.roll(logp_next_BT, 1, axis=1)  # The wrapped-around value lands on t = 0 and is zeroed.
     return logp_BT.at[:, 0].set(0.0)
+
+
+def window_positions(mask_BT: Array, size: int) -> Array:
+    """[B, size] positions whose logits score each row's trained tokens when they all lie within `size`
+    tokens from its first one (a single-turn completion): from the position before that token on. A row
+    without trained tokens (padding) gets 0 ... size - 1."""
+    first_B = jnp.argmax(mask_BT > 0, axis=1)
+    return jnp.maximum(first_B - 1, 0)[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+
+
+def _next_logprobs(
+    logits_BKV: Array, next_BK: Array, temperature: float, top_k: int, top_p: float, min_p: float
+) -> Array:
+    """log p(next_BK) under the processed distribution of each logits row."""
+    if top_k or top_p < 1.0 or min_p:
+        return _processed_logprobs(logits_BKV, next_BK, temperature, top_k, top_p, min_p)
+    logits_BKV = _f32(logits_BKV) / temperature
+    picked_BK = jnp.take_along_axis(logits_BKV, next_BK[:, :, None], axis=-1)[:, :, 0]
+    return picked_BK - jax.nn.logsumexp(logits_BKV, axis=-1)
 
 
 def _processed_logprobs(

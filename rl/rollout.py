@@ -413,6 +413,7 @@ def make_batch(
     pad_id: int = 0,
     routing: bool = False,
     domains: Sequence[str] | None = None,
+    window: int = 0,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The `rl.train_step` batch (numpy) and statistics. Groups are `Sample.group`.
 
@@ -427,6 +428,9 @@ def make_batch(
 
     `domains` adds `domain_B` int32: each row's index in `domains` (the gradient projection's split), -1
     on padding rows.
+
+    `window` > 0: the trainer computes logits for that many positions per row from its first trained token
+    on (`rl.train_step.logit_window`); a row with more tokens after its prompt is an error.
 
     `routing=True` adds `expert_indices` [L_moe, B, T, k] int32: each sample's recorded routing
     (`Sample.expert_indices`) at its token positions, and experts 0..k-1 at padding (positions after a
@@ -446,6 +450,14 @@ def make_batch(
         if len(samples) > rows:
             raise ValueError(f"{len(samples)} samples do not fit a batch of rows={rows}")
         b = rows
+    if window:
+        spans = [min(n, t) - len(s.prompt_tokens) for n, s in zip(lengths, samples)]
+        if max(spans) > window:
+            raise ValueError(
+                f"a row has {max(spans)} tokens after its prompt, more than the trainer's logit window of "
+                f"{window} (rl.max_new_tokens with rl.max_turns = 1): single-turn completions are at most "
+                "rl.max_new_tokens long; raise rl.max_new_tokens"
+            )
     routing_shape = _routing_shape(samples) if routing else None
     batch = empty_batch(b, t, routing=routing_shape, domains=domains, pad_id=pad_id)
     tokens_BT, mask_BT, logp_BT = batch["tokens_BT"], batch["mask_BT"], batch["behaviour_logp_BT"]

@@ -294,30 +294,58 @@ def policy_forward(
     *,
     replay: bool | None = None,
     rest: nnx.State | None = None,
+    window: int = 0,
 ):
     """The training forward: logits_BTV and aux, replaying the sampler's routing when rl.routing_replay.
-    `rest`: the model's non-Param state (selection biases); default: the graph definition's."""
+    `rest`: the model's non-Param state (selection biases); default: the graph definition's. `window` > 0
+    (`logit_window`): the logits of `grpo.window_positions(mask_BT, window)` only, logits_BKV, with those
+    positions in aux["logit_positions_BK"]."""
     expert_indices = None
     if cfg.rl.routing_replay if replay is None else replay:
         _require_replay(batch)
         expert_indices = batch["expert_indices"]
     model = _as_model_def(graphdef).merge(params, rest)
-    return model(batch["tokens_BT"], batch["positions_BT"], expert_indices=expert_indices)
+    if not window:
+        return model(batch["tokens_BT"], batch["positions_BT"], expert_indices=expert_indices)
+    positions_BK = grpo.window_positions(batch["mask_BT"], window)
+    logits_BKV, aux = model(
+        batch["tokens_BT"], batch["positions_BT"], expert_indices=expert_indices, logit_positions=positions_BK
+    )
+    return logits_BKV, dict(aux, logit_positions_BK=positions_BK)
+
+
+def logit_window(cfg, length: int) -> int:
+    """Positions per row the GRPO forwards compute logits for, over rows of `length` tokens: with
+    rl.max_turns = 1 a row's trained tokens are its completion, at most rl.max_new_tokens right after its
+    prompt, so the LM head and its softmax skip the prompt positions (`rollout.make_batch(window=...)`
+    refuses a row that breaks this). 0: every position (multi-turn rows interleave observations, or the
+    window would not be shorter)."""
+    rl = cfg.rl
+    size = int(rl.max_new_tokens)
+    return size if rl.max_turns == 1 and size < length - 1 else 0
 
 
 def _filtered(cfg) -> bool:
     return bool(cfg.rl.top_k) or cfg.rl.top_p < 1.0
 
 
-def _token_logprobs(cfg, logits_BTV: jax.Array, tokens_BT: jax.Array, *, processed: bool = True) -> jax.Array:
+def _token_logprobs(
+    cfg, logits_BTV: jax.Array, tokens_BT: jax.Array, *, processed: bool = True, positions_BK=None
+) -> jax.Array:
     """Log-probs under the sampler's processing (temperature, top-k, top-p): one rule for every caller.
-    `processed=False`: tempered but unfiltered (the KL term's distribution)."""
+    `processed=False`: tempered but unfiltered (the KL term's distribution). `positions_BK`: the logits
+    are those of a window (`policy_forward(window=...)`)."""
     rl = cfg.rl
     if processed and _filtered(cfg):
         return grpo.token_logprobs(
-            logits_BTV, tokens_BT, temperature=rl.temperature, top_k=int(rl.top_k), top_p=float(rl.top_p)
+            logits_BTV,
+            tokens_BT,
+            temperature=rl.temperature,
+            top_k=int(rl.top_k),
+            top_p=float(rl.top_p),
+            positions_BK=positions_BK,
         )
-    return grpo.token_logprobs(logits_BTV, tokens_BT, temperature=rl.temperature)
+    return grpo.token_logprobs(logits_BTV, tokens_BT, temperature=rl.temperature, positions_BK=positions_BK)
 
 
 def make_logprobs(
@@ -332,14 +360,17 @@ def make_logprobs(
     for the proximal and reference log-probs; `rest` is the model's current non-Param state (default: the
     graph definition's). `replay` defaults to rl.routing_replay; the reference passes False (it is another
     model: it routes its own way) and `processed=False` (the KL is between the models' unfiltered
-    distributions)."""
+    distributions). With a `logit_window` only the window's tokens are scored (every trained token: see
+    `rollout.make_batch(window=...)`); prompt positions hold 0."""
 
     def fn(params, batch, rest):
-        logits_BTV, _ = policy_forward(cfg, graphdef, params, batch, replay=replay, rest=rest)
-        return _token_logprobs(cfg, logits_BTV, batch["tokens_BT"], processed=processed)
+        window = logit_window(cfg, batch["tokens_BT"].shape[1])
+        logits, aux = policy_forward(cfg, graphdef, params, batch, replay=replay, rest=rest, window=window)
+        window_BK = aux.get("logit_positions_BK")
+        return _token_logprobs(cfg, logits, batch["tokens_BT"], processed=processed, positions_BK=window_BK)
 
     jitted = distributed.Together(jax.jit(fn), "logprobs")
-    keys = ("tokens_BT", "positions_BT") + (
+    keys = ("tokens_BT", "positions_BT", "mask_BT") + (
         ("expert_indices",) if (cfg.rl.routing_replay if replay is None else replay) else ()
     )
 
@@ -352,9 +383,10 @@ def make_logprobs(
     return on_mesh
 
 
-def _policy_loss(cfg, logits_BTV: jax.Array, mb: Batch, mask_BT: jax.Array):
-    """The GRPO objective (and its metrics) over the tokens of `mask_BT`."""
-    logp_BT = _token_logprobs(cfg, logits_BTV, mb["tokens_BT"])
+def _policy_loss(cfg, logits_BTV: jax.Array, mb: Batch, mask_BT: jax.Array, positions_BK=None):
+    """The GRPO objective (and its metrics) over the tokens of `mask_BT`; `positions_BK`: the logits'
+    window (`policy_forward`)."""
+    logp_BT = _token_logprobs(cfg, logits_BTV, mb["tokens_BT"], positions_BK=positions_BK)
     # One update per batch: the proximal policy is the current one (ratio 1, value and all).
     proximal_BT = mb.get("proximal_logp_BT", jax.lax.stop_gradient(logp_BT))
     return grpo.loss_from_config(
@@ -365,19 +397,23 @@ def _policy_loss(cfg, logits_BTV: jax.Array, mb: Batch, mask_BT: jax.Array):
         cfg=cfg.rl.loss,
         behaviour_logp_BT=mb["behaviour_logp_BT"],
         ref_logp_BT=mb.get("ref_logp_BT"),
-        kl_logp_BT=_token_logprobs(cfg, logits_BTV, mb["tokens_BT"], processed=False)
-        if _filtered(cfg)
-        else None,
+        kl_logp_BT=(
+            _token_logprobs(cfg, logits_BTV, mb["tokens_BT"], processed=False, positions_BK=positions_BK)
+            if _filtered(cfg)
+            else None
+        ),
     )
 
 
 def _grpo_metrics(cfg, logits_BTV, aux, mb: Batch, w, num_micro: int):
     """(`w * GRPO loss + moe_loss / M` of the micro-batch, its metrics): see `_grpo_loss`."""
-    loss, metrics = _policy_loss(cfg, logits_BTV, mb, mb["mask_BT"])
+    positions_BK = aux.get("logit_positions_BK")
+    loss, metrics = _policy_loss(cfg, logits_BTV, mb, mb["mask_BT"], positions_BK)
     # Train-inference mismatch: the sampler's log-probs against the trainer's before any update.
     proximal_BT = mb.get("proximal_logp_BT")
     if proximal_BT is None:
-        proximal_BT = jax.lax.stop_gradient(_token_logprobs(cfg, logits_BTV, mb["tokens_BT"]))
+        logp_BT = _token_logprobs(cfg, logits_BTV, mb["tokens_BT"], positions_BK=positions_BK)
+        proximal_BT = jax.lax.stop_gradient(logp_BT)
     metrics.update(
         grpo.mismatch_metrics(proximal_BT, mb["behaviour_logp_BT"], mb["mask_BT"], band=cfg.rl.mismatch_band)
     )
@@ -392,7 +428,8 @@ def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
     """`w * GRPO loss + moe_loss / M` of one micro-batch, and its metrics (means weighted by w; extremes,
     `*_max` / `*_min`, unweighted: the step takes their max / min over micro-batches; `expert_load`, for
     the bias update, is popped by the step)."""
-    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
+    window = logit_window(cfg, mb["tokens_BT"].shape[1])
+    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb, window=window)
     return _grpo_metrics(cfg, logits_BTV, aux, mb, w, num_micro)
 
 
@@ -401,7 +438,8 @@ def _grpo_domain_losses(cfg, graphdef, params, mb: Batch, w, num_micro: int, *, 
     projection: domain d's loss is the objective over its rows' tokens (`domain_B == d`) times its share of
     the micro-batch's units (so each is `w_d * loss_d` with sum_d w_d = w), plus moe_loss / M times the
     domain's share of the micro-batch's trained tokens."""
-    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb)
+    window = logit_window(cfg, mb["tokens_BT"].shape[1])
+    logits_BTV, aux = policy_forward(cfg, graphdef, params, mb, window=window)
     total, metrics = _grpo_metrics(cfg, logits_BTV, aux, mb, w, num_micro)
     del total
     mask_BT = mb["mask_BT"]
@@ -411,7 +449,7 @@ def _grpo_domain_losses(cfg, graphdef, params, mb: Batch, w, num_micro: int, *, 
     losses = []
     for d in range(num_domains):
         mask_d_BT = mask_BT * (mb["domain_B"] == d)[:, None].astype(mask_BT.dtype)
-        loss_d, _ = _policy_loss(cfg, logits_BTV, mb, mask_d_BT)
+        loss_d, _ = _policy_loss(cfg, logits_BTV, mb, mask_d_BT, aux.get("logit_positions_BK"))
         share = units_fn(mask_d_BT[None].astype(jnp.float32))[0] / jnp.maximum(units, 1e-30)
         # The MoE loss by token share (shares sum to 1): a domain without rows has no gradient at all.
         moe_share = jnp.where(tokens > 0, mask_d_BT.sum() / jnp.maximum(tokens, 1e-30), 1.0 / num_domains)

@@ -372,6 +372,30 @@ def test_no_recompiles_after_warmup(target):
         assert eng.stats()["compiles_after_warmup"] == 0
 
 
+def test_min_prefill_batch_pads_small_prefills(target, forward):
+    """min_prefill_batch = prefill_batch: one prefill row bucket is compiled; a single prompt is prefilled in
+    a padded call of 2 rows and decodes as the naive greedy loop does; nothing compiles after warmup."""
+    cfg, _, params = target
+    eng = Engine(cfg, params, dataclasses.replace(ECFG, min_prefill_batch=2))
+    eng.warmup()
+    shapes, run_prefill = [], eng._run_prefill
+
+    def recording(tokens_BT, *rest):
+        shapes.append(tokens_BT.shape)
+        return run_prefill(tokens_BT, *rest)
+
+    eng._run_prefill = recording
+    prompt = _prompts(21, [11])
+    out = eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    assert out.tokens == naive_greedy(forward, params, prompt[0], 6)[0]
+    assert shapes == [(2, 16)]  # 1 prompt of 11 tokens: 2 rows (one padding), the 16-token bucket
+    assert eng.stats()["compiles_after_warmup"] == 0
+    with pytest.raises(ValueError, match="engine.min_prefill_batch=8 must be <= prefill_batch=4"):
+        EngineConfig(min_prefill_batch=8)
+    with pytest.raises(ValueError, match="engine.min_prefill_batch=3 must be a power of two"):
+        EngineConfig(min_prefill_batch=3)
+
+
 def test_update_params_swaps_weights_without_recompiling(target, forward):
     cfg, _, params = target
     new = nnx.state(model.build(cfg, seed=3), nnx.Param)

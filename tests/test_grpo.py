@@ -97,6 +97,30 @@ def test_token_logprobs_against_hand_softmax():
     close(hot, want, atol=2e-2)  # bf16 logits carry ~3 significant digits.
 
 
+def test_token_logprobs_over_a_window_of_positions():
+    # The hand values of the test above. positions [[0, 1]]: logits rows 0 and 1 score tokens 1 and 2:
+    # [0, log .25, log .5]. positions [[1, 2]]: row 1 scores token 2 (log .5); position 2 predicts past the
+    # end (its logits, favouring token 0, are ignored) and token 1 is outside the window: 0.
+    logits = jnp.log(jnp.array([[[1.0, 2, 1], [1, 1, 2], [100, 1e-30, 1e-30]]]))
+    tokens = jnp.array([[2, 0, 2]])
+    first = grpo.token_logprobs(logits[:, :2], tokens, positions_BK=jnp.array([[0, 1]]))
+    close(first, [[0, math.log(0.25), math.log(0.5)]])
+    second = grpo.token_logprobs(logits[:, 1:], tokens, positions_BK=jnp.array([[1, 2]]))
+    close(second, [[0, 0, math.log(0.5)]])
+    # The gradient of token 2's log-prob reaches window row 0 only: onehot(2) - [.25, .25, .5].
+    grad = jax.grad(lambda lg: grpo.token_logprobs(lg, tokens, positions_BK=jnp.array([[1, 2]]))[0, 2])
+    close(grad(logits[:, 1:])[0], [[-0.25, -0.25, 0.5], [0, 0, 0]])
+    # A filter applies within the window as without one: top-k 2 of [.4, .3, .2, .1] keeps token 0 at 4/7.
+    filtered = grpo.token_logprobs(FILTER_LOGITS[:, :1], jnp.array([[3, 0, 2]]), top_k=2,
+                                   positions_BK=jnp.array([[0]]))  # fmt: skip
+    close(filtered, [[0.0, math.log(4 / 7), 0.0]])
+
+
+def test_window_positions_start_before_the_first_trained_token():
+    mask = jnp.array([[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]], jnp.float32)
+    np.testing.assert_array_equal(grpo.window_positions(mask, 3), [[1, 2, 3], [0, 1, 2], [0, 1, 2]])
+
+
 # logits log[.4, .3, .2, .1] at positions 0 and 1; each filter below keeps tokens {0, 1}, renormalised to
 # [4/7, 3/7]: top-k 2; top-p .6 (mass before each token 0, .4, .7, .9: the first two are < .6); min-p .6
 # (keep p >= .6 * .4 = .24: .4 and .3).

@@ -185,6 +185,25 @@ def test_kv_cache_decode_equals_full_forward(arg):
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=ATOL, rtol=RTOL)
 
 
+def test_logit_positions_pick_the_full_forwards_rows():
+    """logit_positions [B, K] returns the full forward's logits at those positions (clipped to T - 1), the
+    same aux; a paged-cache call refuses them."""
+    m = model.build(_cfg())
+    toks = _tokens()
+    full, aux_full = m(toks)
+    positions = jnp.array([[3, 4, 5], [10, 11, 12]], jnp.int32)  # 12 is past the end: row 11
+    picked, aux = m(toks, logit_positions=positions)
+    chex.assert_shape(picked, (2, 3, full.shape[-1]))
+    want = jnp.stack([full[0, 3:6], full[1, jnp.array([10, 11, 11])]])
+    np.testing.assert_allclose(picked, want, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(aux["moe_loss"], aux_full["moe_loss"], rtol=1e-6)
+    paged = dict(
+        m.init_paged_cache(4, 8), page_table=jnp.zeros((2, 2)), start=jnp.zeros(2), num_new=jnp.ones(2)
+    )
+    with pytest.raises(ValueError, match="logit_positions"):
+        m(toks[:, :1], kv_cache=paged, logit_positions=positions[:, :1])
+
+
 def _rope(**kw):
     r = ml_collections.ConfigDict(
         dict(

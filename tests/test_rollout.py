@@ -325,6 +325,14 @@ def test_make_batch_truncation_and_equal_groups():
         np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-6, atol=1e-7)
 
 
+def test_make_batch_refuses_rows_longer_than_the_logit_window():
+    # The longest completions in _ragged() are 4 tokens (rows 0 and 4 hold 3 and 4): a window of 4 fits.
+    batch, _ = ro.make_batch(_ragged(), length_bucket=4, window=4)
+    assert batch["tokens_BT"].shape == (5, 8)
+    with pytest.raises(ValueError, match=r"4 tokens after its prompt.*logit window of 3.*rl\.max_new_tokens"):
+        ro.make_batch(_ragged(), length_bucket=4, window=3)
+
+
 # --- back-fill ----------------------------------------------------------------------------------------------
 
 

@@ -152,6 +152,26 @@ def test_accumulation_equals_full_batch(setup, stepped):
         ts.make_train_step(_cfg(micro_batches=0), model_def)
 
 
+def test_logit_window_equals_full_logits(setup, stepped):
+    """With rl.max_new_tokens = 10 (the longest completion here) the forwards compute logits for 10
+    positions per row instead of 16: the same step, metrics and log-probs as every position's logits."""
+    _, model_def, state0, _ = setup
+    _, full, full_metrics, _ = stepped
+    assert ts.logit_window(_cfg(), T) == 0  # tiny's max_new_tokens 32: no shorter window at T = 16
+    assert ts.logit_window(_cfg(max_new_tokens=10, max_turns=2), T) == 0  # multi-turn rows: every position
+    cfg = _cfg(max_new_tokens=10)
+    assert ts.logit_window(cfg, T) == 10 == max(LENS)
+    windowed, metrics = ts.make_train_step(cfg, model_def)(_copy(state0), _batch())
+    assert _max_diff(full.params, windowed.params) < ACCUM_ATOL
+    for name in ("loss", "policy_loss", "moe_loss", "grad_norm", "clip_fraction", "tokens"):
+        np.testing.assert_allclose(metrics[name], full_metrics[name], atol=ACCUM_ATOL, err_msg=name)
+    for processed in (True, False):
+        want = ts.make_logprobs(_cfg(), model_def, processed=processed)(state0.params, _batch())
+        got = ts.make_logprobs(cfg, model_def, processed=processed)(state0.params, _batch())
+        mask = np.asarray(_batch()["mask_BT"])
+        np.testing.assert_allclose(np.asarray(got) * mask, np.asarray(want) * mask, atol=1e-5)
+
+
 def test_sharded_equals_single_device(stepped):
     _, single, single_metrics, _ = stepped
     cfg = _cfg()
