@@ -295,11 +295,15 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
     median = statistics.median(step_s[1:]) if steps else None
     rows = cfg.batch_size
     # Train phase MFU: the policy's forward + backward and the reference forward over the [rows, seq_len]
-    # batch (model.plan's matmul FLOPs), against the f32 matmul peak measured in this process.
+    # batch (model.plan's matmul FLOPs) less the unembedding of the positions outside the logit window
+    # (2 * d_model * vocab FLOPs a position forward, 3x that trained), against the f32 matmul peak measured
+    # in this process.
     tokens = rows * cfg.seq_len
+    window = train_step.logit_window(cfg, cfg.seq_len)
+    skipped = 2 * cfg.model.d_model * cfg.model.vocab_size * rows * (cfg.seq_len - window) if window else 0
     flops = {
-        "train": plan.flops_per_token(cfg, cfg.seq_len, training=True) * tokens,
-        "reference_logprobs": plan.flops_per_token(cfg, cfg.seq_len, training=False) * tokens,
+        "train": plan.flops_per_token(cfg, cfg.seq_len, training=True) * tokens - 3 * skipped,
+        "reference_logprobs": plan.flops_per_token(cfg, cfg.seq_len, training=False) * tokens - skipped,
     }
     peak = matmul_peak.measure(sizes=(2048,))["peak_flops"]
     mfu = {}
