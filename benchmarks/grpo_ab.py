@@ -1,0 +1,148 @@
+"""python benchmarks/grpo_ab.py [--sections=window,warmup] [--calls=8] [--pairs=2]
+
+A/B checks behind two of the GRPO step's changes, on `grpo_step.py`'s anchor shapes (dense, 16 rows of 32 +
+64 tokens), one JSON line per section:
+
+- `window`: the update (`rl.train_step.make_grpo_update`: reference log-probs, then the train step) built
+  twice in one process, with the logit window (`train_step.logit_window`, 64 of 96 positions) and without
+  (every position's logits), called alternately on one random batch (mask on the 64 completion positions);
+  median seconds over the calls after the first, and the largest difference of any scalar metric.
+- `warmup`: the main job's warm-up (`rl.train._warm_up`: the engine's warmup in a thread beside the
+  update's compile) against the two one after the other, each in a fresh process (cold compile caches on
+  both sides), the two kinds alternated `--pairs` times; wall seconds of the warm-up and the process's CPU
+  seconds in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import jax
+import numpy as np
+from grpo_step import grpo_cfg
+
+from inference import Engine
+from rl import distributed, rollout, train_step, validate
+from rl.train import _reference, _warm_up
+
+ARCH = "qwen3"
+
+
+def _setup():
+    cfg = grpo_cfg(ARCH)
+    mesh = distributed.trainer_mesh(cfg)
+    model_def, state = train_step.init_state(cfg, mesh=mesh, seed=0)
+    return cfg, mesh, model_def, state, _reference(state.params, cfg.rl.reference_dtype)
+
+
+def _batch(cfg, mesh, fill: bool):
+    local = rollout.empty_batch(cfg.batch_size, cfg.seq_len)
+    if fill:
+        rng = np.random.default_rng(0)
+        prompt = cfg.rl.max_prompt_len
+        local["tokens_BT"][:] = rng.integers(3, cfg.model.vocab_size, local["tokens_BT"].shape)
+        local["mask_BT"][:, prompt:] = 1
+        local["advantages_B"][:] = rng.normal(size=cfg.batch_size)
+        local["behaviour_logp_BT"][:, prompt:] = -9.0
+    shardings = train_step.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
+    return local, distributed.global_batch(local, shardings, train_step.ROW_AXIS)
+
+
+def section_window(calls: int) -> dict:
+    cfg, mesh, model_def, state, ref = _setup()
+    _, batch = _batch(cfg, mesh, fill=True)
+    updates, real = {}, train_step.logit_window
+    for name in ("every_position", "window"):
+        window = real if name == "window" else (lambda cfg, length: 0)
+        with mock.patch.object(train_step, "logit_window", window):
+            updates[name] = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
+            updates[name].compile(state, batch, ref_params=ref)  # traced under its own window rule
+    seconds = {name: [] for name in updates}
+    metrics = {}
+    for _ in range(calls):
+        for name, update in updates.items():
+            start = jax.tree.map(lambda x: x.copy(), state)  # the update donates its state
+            jax.block_until_ready(start)
+            t0 = time.perf_counter()
+            new, m = update(start, batch, ref_params=ref)
+            jax.block_until_ready(new.params)
+            seconds[name].append(time.perf_counter() - t0)
+            metrics[name] = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
+    median = {name: round(statistics.median(s[1:]), 4) for name, s in seconds.items()}
+    diff = max(abs(metrics["window"][k] - metrics["every_position"][k]) for k in metrics["window"])
+    return {
+        "bench": "grpo_ab_window",
+        "arch": ARCH,
+        "window": train_step.logit_window(cfg, cfg.seq_len),
+        "seq_len": cfg.seq_len,
+        "update_s_median": median,
+        "update_s_all": {name: [round(x, 4) for x in s] for name, s in seconds.items()},
+        "speedup": round(median["every_position"] / median["window"], 3),
+        "max_scalar_metric_diff": diff,
+        "metrics_compared": len(metrics["window"]),
+    }
+
+
+def child(kind: str) -> None:
+    """One warm-up of `kind` in this fresh process; prints {"wall_s", "cpu_s"}."""
+    cfg, mesh, model_def, state, ref = _setup()
+    engine = Engine(
+        cfg,
+        train_step.weights(state),
+        validate.engine_config(cfg),
+        mesh=distributed.sampler_mesh(cfg, mesh),
+    )
+    update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
+    wall, cpu = time.perf_counter(), time.process_time()
+    if kind == "thread":
+        _warm_up(cfg, engine, update, mesh, state, ref, cfg.batch_size)
+    else:  # the same two calls one after the other
+        engine.warmup()
+        _, batch = _batch(cfg, mesh, fill=False)
+        update.compile(state, batch, ref_params=ref)
+    print(json.dumps({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}))
+
+
+def section_warmup(pairs: int) -> dict:
+    runs = {"serial": [], "thread": []}
+    for _ in range(pairs):
+        for kind in runs:
+            out = subprocess.run(
+                [sys.executable, __file__, f"--child={kind}"], check=True, capture_output=True, text=True
+            ).stdout
+            runs[kind].append(json.loads(out.strip().splitlines()[-1]))
+    wall = {k: [round(r["wall_s"], 2) for r in v] for k, v in runs.items()}
+    return {
+        "bench": "grpo_ab_warmup",
+        "arch": ARCH,
+        "wall_s": wall,
+        "cpu_s": {k: [round(r["cpu_s"], 2) for r in v] for k, v in runs.items()},
+        "saved_s_median": round(statistics.median(wall["serial"]) - statistics.median(wall["thread"]), 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    p.add_argument("--sections", default="window,warmup")
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        return child(a.child)
+    for name in a.sections.split(","):
+        load = [round(x, 2) for x in os.getloadavg()]
+        line = section_window(a.calls) if name == "window" else section_warmup(a.pairs)
+        line.update(loadavg_start=load, loadavg_end=[round(x, 2) for x in os.getloadavg()])
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
