@@ -8,20 +8,22 @@ A/B checks behind two of the GRPO step's changes, on `grpo_step.py`'s anchor sha
   (every position's logits), called alternately on one random batch (mask on the 64 completion positions);
   median seconds over the calls after the first, and the largest difference of any scalar metric.
 - `warmup`: the main job's warm-up (`rl.train._warm_up`: the engine's warmup in a thread beside the
-  update's compile) against the two one after the other, each in a fresh process (cold compile caches on
-  both sides), the two kinds alternated `--pairs` times; wall seconds of the warm-up and the process's CPU
-  seconds in it.
+  update's compile) against the two one after the other (the same function, its thread run inline), each
+  in a fresh process (cold compile caches on both sides), the two kinds alternated `--pairs` times; wall
+  seconds of the warm-up and the process's CPU seconds in it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import jax
@@ -42,22 +44,36 @@ def _setup():
     return cfg, mesh, model_def, state, _reference(state.params, cfg.rl.reference_dtype)
 
 
-def _batch(cfg, mesh, fill: bool):
+def _random_batch(cfg, mesh):
+    """A rollout-shaped batch of random ids, trained on the completion positions."""
     local = rollout.empty_batch(cfg.batch_size, cfg.seq_len)
-    if fill:
-        rng = np.random.default_rng(0)
-        prompt = cfg.rl.max_prompt_len
-        local["tokens_BT"][:] = rng.integers(3, cfg.model.vocab_size, local["tokens_BT"].shape)
-        local["mask_BT"][:, prompt:] = 1
-        local["advantages_B"][:] = rng.normal(size=cfg.batch_size)
-        local["behaviour_logp_BT"][:, prompt:] = -9.0
+    rng = np.random.default_rng(0)
+    prompt = cfg.rl.max_prompt_len
+    local["tokens_BT"][:] = rng.integers(3, cfg.model.vocab_size, local["tokens_BT"].shape)
+    local["mask_BT"][:, prompt:] = 1
+    local["advantages_B"][:] = rng.normal(size=cfg.batch_size)
+    local["behaviour_logp_BT"][:, prompt:] = -9.0
     shardings = train_step.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
-    return local, distributed.global_batch(local, shardings, train_step.ROW_AXIS)
+    return distributed.global_batch(local, shardings, train_step.ROW_AXIS)
+
+
+class _InlineThread:
+    """threading.Thread's surface as `_warm_up` uses it, running the target at start(): the serial warm-up
+    through the main job's own code (the engine's warmup, then the update's compile)."""
+
+    def __init__(self, target, **_):
+        self._target = target
+
+    def start(self):
+        self._target()
+
+    def join(self):
+        pass
 
 
 def section_window(calls: int) -> dict:
     cfg, mesh, model_def, state, ref = _setup()
-    _, batch = _batch(cfg, mesh, fill=True)
+    batch = _random_batch(cfg, mesh)
     updates, real = {}, train_step.logit_window
     for name in ("every_position", "window"):
         window = real if name == "window" else (lambda cfg, length: 0)
@@ -101,12 +117,9 @@ def child(kind: str) -> None:
     )
     update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
     wall, cpu = time.perf_counter(), time.process_time()
-    if kind == "thread":
+    inline = mock.patch("rl.train.threading", SimpleNamespace(Thread=_InlineThread))
+    with inline if kind == "serial" else contextlib.nullcontext():
         _warm_up(cfg, engine, update, mesh, state, ref, cfg.batch_size)
-    else:  # the same two calls one after the other
-        engine.warmup()
-        _, batch = _batch(cfg, mesh, fill=False)
-        update.compile(state, batch, ref_params=ref)
     print(json.dumps({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}))
 
 

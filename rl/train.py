@@ -517,8 +517,9 @@ def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed
 def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     """Compiles before the first step: the engine's `warmup()` in a thread beside the update's compile
     (`update.compile`) on an empty batch of the rollout batches' shapes and placement, so the first step
-    compiles nothing. XLA's compiles use about 1.5 of 2 cores here, so the overlap saves 10-15% of the
-    warm-up (15.5 -> 13.5 s on the peer anchor shapes); an error in either is raised here."""
+    compiles nothing; an error in either is raised here. On a quiet 2-core CPU the overlap saved 0-1 s of
+    ~8.4 s (`benchmarks/grpo_ab.py`: XLA:CPU's compiles already use both cores); it is for hosts with more
+    cores than one compile keeps busy."""
     from rl import distributed, rollout, train_step
 
     rl = cfg.rl
