@@ -386,6 +386,13 @@ class Engine(Scheduler):
         with self._counting():
             self.draft_params, _ = weight_sync.to_layout(params, self._draft_shardings)
 
+    def longest_prefill_bucket(self) -> int:
+        """The longest prefill length bucket a call can use: `prefill_chunk`, or the bucket of `max_seq_len`
+        where that is shorter (no context is longer). Warmup compiles no longer bucket: the test config
+        (24 + 8 tokens, chunk 64) compiled three 64-token prefills it could never run."""
+        e = self.ecfg
+        return min(e.prefill_chunk, max(e.min_bucket, pow2(e.max_seq_len)))
+
     def warmup(self, *, score_lengths: Sequence[int] = ()) -> None:
         """Compiles every shape `step` can use (prefill buckets, decode / speculative step, page copies,
         host-tier moves) and the scoring buckets for `score_lengths`; later calls never compile
@@ -394,7 +401,7 @@ class Engine(Scheduler):
         with self._counting():
             zeros = lambda *shape: np.zeros(shape, np.int32)
             t = e.min_bucket
-            while t <= e.prefill_chunk:
+            while t <= self.longest_prefill_bucket():
                 b = e.min_prefill_batch
                 while b <= e.prefill_batch:
                     self._run_prefill(zeros(b, t), zeros(b, t), zeros(b, e.pages_per_seq), zeros(b), zeros(b))

@@ -396,6 +396,28 @@ def test_min_prefill_batch_pads_small_prefills(target, forward):
         EngineConfig(min_prefill_batch=3)
 
 
+def test_warmup_compiles_no_prefill_longer_than_max_seq_len(target, forward):
+    """max_seq_len 24 under a 64-token prefill_chunk: no context is longer than 24 tokens, so warmup compiles
+    the 16- and 32-token buckets (x rows 1, 2) and not 64; a 20-token prompt then runs in the 32 bucket with
+    nothing compiled after warmup."""
+    cfg, _, params = target
+    eng = Engine(cfg, params, dataclasses.replace(ECFG, max_seq_len=24, prefill_chunk=64))
+    shapes, run_prefill = [], eng._run_prefill
+
+    def recording(tokens_BT, *rest):
+        shapes.append(tokens_BT.shape)
+        return run_prefill(tokens_BT, *rest)
+
+    eng._run_prefill = recording
+    eng.warmup()
+    assert shapes == [(1, 16), (2, 16), (1, 32), (2, 32)]
+    prompt = _prompts(22, [20])
+    out = eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=4))[0]
+    assert out.tokens == naive_greedy(forward, params, prompt[0], 4)[0]
+    assert shapes[4:] == [(1, 32)]
+    assert eng.stats()["compiles_after_warmup"] == 0
+
+
 def test_update_params_swaps_weights_without_recompiling(target, forward):
     cfg, _, params = target
     new = nnx.state(model.build(cfg, seed=3), nnx.Param)
