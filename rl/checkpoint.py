@@ -30,6 +30,26 @@ import orbax.checkpoint as ocp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 _RESERVED = "_checkpoint"  # meta key holding the model config summary (stripped from what restore returns)
+_one_writer_set = False
+
+
+def one_writer_per_array() -> bool:
+    """In a single process, has orbax write each replicated array whole from its first replica (its default
+    on GPU) instead of splitting it among the replicas. The split pays across hosts, each writing its part;
+    in one process it only costs a compiled slice per array shape and device at the first save (96 for the
+    test config's state on 8 CPU devices: 4.4 s against 0.46 s for the next save). Set once per process in
+    orbax's type-handler registry; restores read either layout. Returns whether the setting is in place (not
+    with several processes, nor with an orbax whose array-metadata store has moved)."""
+    global _one_writer_set
+    if not _one_writer_set and jax.process_count() == 1:
+        try:
+            from orbax.checkpoint._src.metadata.array_metadata_store import Store
+        except ImportError:  # another orbax layout: keep its defaults
+            return False
+        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+        _one_writer_set = True
+    return _one_writer_set
 
 
 class ConfigMismatch(ValueError):
@@ -141,6 +161,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save)
         # Orbax wants an absolute path (a relative one fails at the first save).
         directory = os.path.abspath(os.fspath(directory))
+        one_writer_per_array()
         self._manager = ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
 
     @property

@@ -218,6 +218,36 @@ def test_restore_onto_mesh_from_abstract_target(tmp_path):
     assert np.array_equal(got["params"]["w"], state["params"]["w"])
 
 
+def test_single_process_save_compiles_nothing(tmp_path):
+    """Arrays replicated over 8 devices in one process are written whole, not split among their replicas by
+    a compiled slice per shape and device (orbax's replica-parallel default on CPU); they restore exactly."""
+    mesh = jax.make_mesh((8,), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # Shapes no other test saves, so no slice program could be in the in-memory caches already.
+    state = {
+        f"w{n}": jax.device_put(np.arange(n * 24, dtype=np.float32).reshape(n, 24), replicated)
+        for n in (8, 16)
+    }
+    compiles = []
+
+    def listener(event, *_, **__):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with Checkpointer(tmp_path, save_every=1) as ckpt:
+            ckpt.save(1, state, {})
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert checkpoint.one_writer_per_array()
+    assert compiles == []
+    with Checkpointer(tmp_path, save_every=1) as ckpt:
+        got, _ = ckpt.restore(target_state=state)
+    for k in state:
+        assert got[k].sharding == replicated and np.array_equal(got[k], state[k])
+
+
 def test_async_save_survives_donation(tmp_path):
     state = _toy_state()
     bump = lambda s: {**s, "params": jax.tree.map(lambda x: x + 1, s["params"])}
