@@ -184,7 +184,11 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         engine.version = version
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
         rows_here = cfg.batch_size // processes
-        _warm_up(cfg, engine, update, mesh, state, ref_params, rows_here)
+        # A finished run started again compiles no update; with no evaluation to run, no engine step either.
+        if start_step < rl.steps or run_eval:
+            _warm_up(
+                cfg, engine, update if start_step < rl.steps else None, mesh, state, ref_params, rows_here
+            )
         distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def, mesh=mesh)
 
         # ---- Held-out evaluation ---------------------------------------------------------------------------
@@ -519,9 +523,12 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     (`update.compile`) on an empty batch of the rollout batches' shapes and placement, so the first step
     compiles nothing; an error in either is raised here. On a quiet 2-core CPU the overlap saved 0-1 s of
     ~8.4 s (`benchmarks/grpo_ab.py`: XLA:CPU's compiles already use both cores); it is for hosts with more
-    cores than one compile keeps busy."""
+    cores than one compile keeps busy. With `update` None (no step left to run) only the engine warms up."""
     from rl import distributed, rollout, train_step
 
+    if update is None:
+        engine.warmup()
+        return
     rl = cfg.rl
     local = rollout.empty_batch(
         rows,

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ def _records(workdir):
 
 
 def test_train_end_to_end(tmp_path):
-    from rl import train
+    from rl import train, train_step
 
     cfg = grpo.get_config("test")
     out = train.train(cfg, str(tmp_path), run_eval=False)
@@ -36,6 +37,22 @@ def test_train_end_to_end(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]  # every 2 steps; max_to_keep 2
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["rl"]["domains"] == ["debug"]
+
+    # Started again when finished (as a scheduler may restart a job): it restores step 4 and ends without
+    # compiling the update or any engine step.
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished run compiled the update")
+
+    def make_update(*args, **kwargs):
+        update = make_real(*args, **kwargs)
+        update.compile = refuse
+        return update
+
+    make_real = train_step.make_grpo_update
+    with mock.patch.object(train_step, "make_grpo_update", make_update):
+        again = train.train(cfg, str(tmp_path), run_eval=False)
+    assert again["steps"] == 4 and again["engine"]["compiles"] == 0
+    assert [r["step"] for r in _records(tmp_path) if "train/loss" in r] == [1, 2, 3, 4]
 
 
 def _final_params(workdir):
