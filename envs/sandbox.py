@@ -45,8 +45,9 @@ Total resources (`Isolation.resources`, also in every `RunResult`):
   the whole run), pids.max, cpu.max = `cpus`.
 - "watchdog": at the "mount" level without cgroups, the run's supervisor adds up the anonymous and shared
   memory mapped by all the run's processes every 10 ms (every 2 ms once they hold half of it) and kills
-  the run past `total_memory_bytes` (`RunResult.memory_exceeded`). What it cannot see is bounded per process only: memfd pages that are not
-  mapped (open_files x file_bytes per process) and kernel memory; tmpfs use is bounded by the tmpfs sizes.
+  the run past `total_memory_bytes` (`RunResult.memory_exceeded`). What it cannot see is bounded per
+  process only: memfd pages that are not mapped (open_files x file_bytes per process) and kernel memory;
+  tmpfs use is bounded by the tmpfs sizes.
 - "rlimits": per-process limits only: a run may hold max_procs x memory_bytes (plus, at "unshare-net" and
   "rlimits", whatever it writes to the host's tmpfs).
 
