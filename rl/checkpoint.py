@@ -39,14 +39,16 @@ def one_writer_per_array() -> bool:
     in one process it only costs a compiled slice per array shape and device at the first save (96 for the
     test config's state on 8 CPU devices: 4.4 s against 0.46 s for the next save). Set once per process in
     orbax's type-handler registry; restores read either layout. Returns whether the setting is in place (not
-    with several processes, nor with an orbax whose array-metadata store has moved)."""
+    with several processes, nor with an orbax whose array-metadata store or ArrayHandler arguments have
+    moved: then orbax's defaults stay)."""
     global _one_writer_set
     if not _one_writer_set and jax.process_count() == 1:
         try:
             from orbax.checkpoint._src.metadata.array_metadata_store import Store
-        except ImportError:  # another orbax layout: keep its defaults
+
+            handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
+        except (ImportError, AttributeError, TypeError):  # another orbax layout
             return False
-        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
         _one_writer_set = True
     return _one_writer_set
