@@ -400,8 +400,8 @@ class Engine(Scheduler):
         e = self.ecfg
         with self._counting():
             zeros = lambda *shape: np.zeros(shape, np.int32)
-            t = e.min_bucket
-            while t <= self.longest_prefill_bucket():
+            t, longest = e.min_bucket, self.longest_prefill_bucket()
+            while t <= longest:
                 b = e.min_prefill_batch
                 while b <= e.prefill_batch:
                     self._run_prefill(zeros(b, t), zeros(b, t), zeros(b, e.pages_per_seq), zeros(b), zeros(b))

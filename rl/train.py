@@ -177,18 +177,19 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             draft=_drafter(rl.engine, draft_cfg, draft_state, sampler_weights),
             mesh=distributed.sampler_mesh(cfg, mesh),
         )
+        # False for a finished run started again: it compiles nothing the steps would use.
+        steps_left = start_step < rl.steps
         push_weights = _weight_sync(cfg, engine, mesh, processes)
-        if rl.weight_sync_delta >= 0 and processes == 1:  # the delta program compiles now, before warmup:
+        if steps_left and rl.weight_sync_delta >= 0 and processes == 1:  # the delta program compiles now:
             push_weights(train_step.weights(state))  # the first push sends every leaf,
             push_weights(train_step.weights(state))  # the second runs the delta program (nothing changed)
         engine.version = version
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
         rows_here = cfg.batch_size // processes
-        # A finished run started again compiles no update; with no evaluation to run, no engine step either.
-        if start_step < rl.steps or run_eval:
-            _warm_up(
-                cfg, engine, update if start_step < rl.steps else None, mesh, state, ref_params, rows_here
-            )
+        if steps_left:
+            _warm_up(cfg, engine, update, mesh, state, ref_params, rows_here)
+        elif run_eval:  # the held-out evaluation still samples
+            engine.warmup()
         distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def, mesh=mesh)
 
         # ---- Held-out evaluation ---------------------------------------------------------------------------
@@ -523,12 +524,9 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     (`update.compile`) on an empty batch of the rollout batches' shapes and placement, so the first step
     compiles nothing; an error in either is raised here. On a quiet 2-core CPU the overlap saved 0-1 s of
     ~8.4 s (`benchmarks/grpo_ab.py`: XLA:CPU's compiles already use both cores); it is for hosts with more
-    cores than one compile keeps busy. With `update` None (no step left to run) only the engine warms up."""
+    cores than one compile keeps busy."""
     from rl import distributed, rollout, train_step
 
-    if update is None:
-        engine.warmup()
-        return
     rl = cfg.rl
     local = rollout.empty_batch(
         rows,

@@ -40,6 +40,8 @@ def test_train_end_to_end(tmp_path):
 
     # Started again when finished (as a scheduler may restart a job): it restores step 4 and ends without
     # compiling the update or any engine step.
+    make_real = train_step.make_grpo_update
+
     def refuse(*args, **kwargs):
         raise AssertionError("a finished run compiled the update")
 
@@ -48,7 +50,6 @@ def test_train_end_to_end(tmp_path):
         update.compile = refuse
         return update
 
-    make_real = train_step.make_grpo_update
     with mock.patch.object(train_step, "make_grpo_update", make_update):
         again = train.train(cfg, str(tmp_path), run_eval=False)
     assert again["steps"] == 4 and again["engine"]["compiles"] == 0
