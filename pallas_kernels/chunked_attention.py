@@ -260,14 +260,34 @@ def _fwd_blocks(q_IBKGXH, k_JBKYH, v_JBKYH, qs: _Side, ks: _Side, live_IJ, st: _
             return lax.cond(live, attend, lambda c: c, carry), None
 
         xs = (k_JBKYH, v_JBKYH, ks.pos, ks.seg, ks.valid, live_J)
-        (m_BKGX, l_BKGX, acc_BKGXH), _ = lax.scan(step, init, xs)
+        if len(live_J) == 1:  # one key block: no loop; a dead pair is computed, then dropped by a select
+            ok = _block_mask(q_pos_BX, q_seg_BX, *_first((ks.pos, ks.seg)), q_valid_X, ks.valid[0], st)
+            new = _online_softmax_step(init, q_BKGXH, k_JBKYH[0], v_JBKYH[0], ok, st)
+            m_BKGX, l_BKGX, acc_BKGXH = _keep_if(live_J[0], new, init)
+        else:
+            (m_BKGX, l_BKGX, acc_BKGXH), _ = lax.scan(step, init, xs)
         seen = l_BKGX > 0
         l_BKGX = jnp.where(seen, l_BKGX, 1.0)
         o_BKGXH = acc_BKGXH / l_BKGX[..., None]
         lse_BKGX = jnp.where(seen, m_BKGX + jnp.log(l_BKGX), MASK_VALUE)
         return o_BKGXH.astype(q_BKGXH.dtype), lse_BKGX
 
-    return lax.map(one_q_block, (q_IBKGXH, qs.pos, qs.seg, qs.valid, live_IJ))
+    args = (q_IBKGXH, qs.pos, qs.seg, qs.valid, live_IJ)
+    if len(live_IJ) == 1:
+        return jax.tree.map(lambda a: a[None], one_q_block(_first(args)))
+    return lax.map(one_q_block, args)
+
+
+def _keep_if(live, new, old):
+    """`new` where the block pair is live, else `old`: the result of a skipped pair, whatever (even NaN)
+    computing it gave. For loops of one step, where a `lax.cond` and its loop cost more to compile than
+    the one pair costs to compute."""
+    return jax.tree.map(lambda n, o: jnp.where(live, n, o), new, old)
+
+
+def _first(tree):
+    """Block 0 of every [blocks, ...] array (None and numpy validity masks alike)."""
+    return jax.tree.map(lambda a: a[0], tree)
 
 
 def _bwd_blocks(
@@ -289,13 +309,24 @@ def _bwd_blocks(
 
             return lax.cond(live, add_grads, lambda *a: a, dkv, dq_BKGXH)
 
-        zeros_BKYH = jnp.zeros(k_BKYH.shape, jnp.float32)
         xs = (q_IBKGXH, do_IBKGXH, lse_IBKGX, delta_IBKGX, qs.pos, qs.seg, qs.valid, live_I, dq_IBKGXH)
+        if len(live_I) == 1:  # one query block: no loop; a dead pair is computed, then dropped by a select
+            q_BKGXH, do_BKGXH, lse_BKGX, delta_BKGX, q_pos_BX, q_seg_BX, q_valid_X, live, dq_BKGXH = _first(
+                xs
+            )
+            ok = _block_mask(q_pos_BX, q_seg_BX, k_pos_BY, k_seg_BY, q_valid_X, k_valid_Y, st)
+            grads = _block_grads(q_BKGXH, k_BKYH, v_BKYH, do_BKGXH, lse_BKGX, delta_BKGX, ok, st)
+            dq, dk, dv = _keep_if(live, grads, jax.tree.map(jnp.zeros_like, grads))
+            return (dq_BKGXH + dq)[None], (dk, dv)
+        zeros_BKYH = jnp.zeros(k_BKYH.shape, jnp.float32)
         (dk_BKYH, dv_BKYH), dq_IBKGXH = lax.scan(step, (zeros_BKYH, zeros_BKYH), xs)
         return dq_IBKGXH, (dk_BKYH, dv_BKYH)
 
     dq_IBKGXH = jnp.zeros(q_IBKGXH.shape, jnp.float32)
     xs = (k_JBKYH, v_JBKYH, ks.pos, ks.seg, ks.valid, live_IJ.T)
+    if len(live_IJ.T) == 1:  # one key block
+        dq_IBKGXH, dkv = one_kv_block(dq_IBKGXH, _first(xs))
+        return dq_IBKGXH, jax.tree.map(lambda a: a[None], dkv)
     return lax.scan(one_kv_block, dq_IBKGXH, xs)
 
 

@@ -57,6 +57,14 @@ CASES = {
     "t37_noncausal_seg_bf16": Case(37, 37, 4, 2, jnp.bfloat16, False, BlockSizes(16, 16), segments=True),
     "zigzag_t64": Case(64, 64, 4, 2, jnp.float32, True, BlockSizes(16, 16), positions="zigzag"),
     "default_blocks_t300": Case(300, 300, 2, 1, jnp.float32, True, None),
+    # One block pair (no loops: the path of every short sequence), then one query block over 5 key blocks.
+    "one_pair_t37_seg": Case(37, 37, 4, 2, jnp.float32, True, None, segments=True),
+    "one_pair_cross_window": Case(
+        20, 70, 4, 2, jnp.float32, True, BlockSizes(32, 128), window=9, positions="suffix"
+    ),
+    "one_q_block_cross_seg": Case(
+        20, 70, 4, 2, jnp.float32, True, BlockSizes(32, 16), segments=True, positions="suffix"
+    ),
 }
 
 
@@ -214,6 +222,28 @@ def test_skipped_blocks_are_never_computed():
     np.testing.assert_allclose(
         o, reference.attention_reference(q, k[:, :16], v[:, :16], causal=True), atol=F32_TOL
     )
+
+
+def test_a_dead_single_pair_gives_the_skipped_result():
+    # One block pair (16 queries, 16 keys) where every key comes after every query: the pair is computed
+    # without a loop or cond, and its NaN values must not reach o or any gradient.
+    case = Case(16, 16, 2, 1, jnp.float32, True, None)
+    (q, k, v, do), _ = _inputs(case)
+    v = v.at[:].set(jnp.nan)
+    kv_pos = jnp.broadcast_to(jnp.arange(100, 116)[None], (2, 16))
+
+    @jax.jit
+    def run(q, k, v, do):
+        f = functools.partial(chunked_attention, causal=True, kv_positions=kv_pos)
+        o, vjp = jax.vjp(f, q, k, v)
+        lse = chunked_attention_fwd(q, k, v, causal=True, kv_positions=kv_pos)[1]
+        return o, lse, vjp(do)
+
+    o, lse, grads = run(q, k, v, do)
+    np.testing.assert_array_equal(o, 0.0)
+    np.testing.assert_array_equal(lse, reference.MASK_VALUE)
+    for g in grads:
+        np.testing.assert_array_equal(g, 0.0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
