@@ -277,6 +277,10 @@ def _variant(name: str, model_arg: str = "") -> ml_collections.ConfigDict:
         rl.env_workers = 1
         rl.optim.lr, rl.optim.warmup_steps = 3e-3, 1
         rl.tensorboard = False
+        # Two layers compile faster unrolled than under the layer scan (whose autodiff stacks every
+        # per-layer residual with its own update and slice kernels): this config's main job 23.4 -> 19.8 s,
+        # its GRPO update compile 6.5 -> 4.9 s. `configs/tiny.py` itself and the pod configs scan.
+        cfg.model.scan_layers = False
     if name == "demo":
         _demo(cfg)
     cfg.batch_size = rl.prompts_per_step * rl.group_size

@@ -12,7 +12,11 @@ from inference import Engine
 
 
 def _bias(state) -> np.ndarray:
-    return np.asarray(state["moe_layers"]["blocks"]["mlp"]["expert_bias"][...])
+    """[MoE layers, experts]: the stacked bias of scanned layers, or each unrolled layer's in order."""
+    blocks = state["moe_layers"]["blocks"]
+    if "mlp" in blocks:
+        return np.asarray(blocks["mlp"]["expert_bias"][...])
+    return np.stack([np.asarray(blocks[i]["mlp"]["expert_bias"][...]) for i in sorted(blocks)])
 
 
 def test_main_job_trains_the_selection_bias_and_pushes_it_to_the_engine(tmp_path, monkeypatch):

@@ -159,6 +159,9 @@ def _cfg(checkpoint_dir):
     # GRPO steps have groups with a reward signal (found by trying; at the test config's 3e-3 none has).
     cfg.rl.sft.steps, cfg.rl.sft.optim.lr = 4, 3e-2
     cfg.rl.steps, cfg.rl.checkpoint_every = 2, 2
+    # Stacked [L, ...] layers, as the pod configs run them (the test config unrolls its two layers; the
+    # unrolled import is test_init_from_takes_the_checkpoints_model_but_the_runtime_fields's).
+    cfg.model.scan_layers = True
     return cfg
 
 
