@@ -142,7 +142,9 @@ MODEL = {
         "multi-token-prediction modules after the last layer (DeepSeek-V3: 1; HF num_nextn_predict_layers)",
         lo=0,
     ),
-    "scan_layers": Bool(True, "one scanned block per layer kind (fast compiles)"),
+    "scan_layers": Bool(
+        True, "one scanned block per layer kind: one layer compiled, not L (2 compile faster unrolled)"
+    ),
     "remat": Choice(
         "none", "activation recomputation in the backward pass", ("none", "full", "dots_saveable")
     ),
