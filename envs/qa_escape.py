@@ -376,8 +376,11 @@ def files_with(token: str, exclude: list[str] = ()) -> list[str]:
     `exclude` (and whatever lies under those) excepted."""
     roots = [(tempfile.gettempdir(), 4), ("/tmp", 4), ("/var/tmp", 2), ("/dev/shm", 2), (str(PROJECT), 2)]
     roots.append((os.path.expanduser("~"), 1))
-    found = set()
+    deepest: dict[str, int] = {}  # each root walked once (the temp dir is usually /tmp: half the time)
     for root, depth in roots:
+        deepest[root] = max(depth, deepest.get(root, 0))
+    found = set()
+    for root, depth in deepest.items():
         base = root.rstrip("/").count("/")
         for d, dirs, files in os.walk(root):
             if d.count("/") - base >= depth or _in_work_dir(d):
