@@ -140,6 +140,9 @@ def _assert_bit_identical(got, want):
         assert g.dtype == w.dtype and np.array_equal(g, w), f"leaf {i} differs after resume"
 
 
+# CI covers SIGKILL-then-resume through the main job (test_train's kill -9 test: real processes, bit-identical
+# parameters); this driver's version, ~25 s more, runs with the slow tests.
+@pytest.mark.slow
 def test_sigkill_then_resume_is_exact(tmp_path, reference):
     workdir = tmp_path / "run"
     proc = _launch(tmp_path, workdir, pause=0.4)
