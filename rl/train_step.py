@@ -546,7 +546,11 @@ def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn, domains: tuple[str,
 
         lead = () if domains is None else (len(domains),)
         zeros = jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), state.params)
-        grads, metrics_M = jax.lax.scan(body, zeros, (micro, w_M))
+        if num_micro == 1:  # no loop to compile: the one micro-batch's gradient is the sum
+            grads, metrics = body(zeros, jax.tree.map(lambda x: x[0], (micro, w_M)))
+            metrics_M = jax.tree.map(lambda x: x[None], metrics)
+        else:
+            grads, metrics_M = jax.lax.scan(body, zeros, (micro, w_M))
         load_MLE = metrics_M.pop("expert_load", None)
         metrics = {k: _reduce_micro(k, v) for k, v in metrics_M.items()}
         if domains is not None:
