@@ -241,10 +241,10 @@ def _block_grads(q_BKGXH, k_BKYH, v_BKYH, do_BKGXH, lse_BKGX, delta_BKGX, ok, st
 
 
 def _fwd_blocks(q_IBKGXH, k_JBKYH, v_JBKYH, qs: _Side, ks: _Side, live_IJ, st: _Static):
-    """For each query block (lax.map), a scan over the key blocks; returns o [I, B, K, G, X, H] in q's
+    """For each query block (a map), a scan over the key blocks; returns o [I, B, K, G, X, H] in q's
     dtype and lse [I, B, K, G, X] in f32."""
 
-    def one_q_block(args):
+    def one_q_block(_, args):
         q_BKGXH, q_pos_BX, q_seg_BX, q_valid_X, live_J = args
         b, kv, g, x, h = q_BKGXH.shape
         m = jnp.full((b, kv, g, x), MASK_VALUE, jnp.float32)
@@ -257,37 +257,35 @@ def _fwd_blocks(q_IBKGXH, k_JBKYH, v_JBKYH, qs: _Side, ks: _Side, live_IJ, st: _
                 ok = _block_mask(q_pos_BX, q_seg_BX, k_pos_BY, k_seg_BY, q_valid_X, k_valid_Y, st)
                 return _online_softmax_step(carry, q_BKGXH, k_BKYH, v_BKYH, ok, st)
 
-            return lax.cond(live, attend, lambda c: c, carry), None
+            return _when(live, attend, lambda c: c, carry, select=len(live_J) == 1), None
 
         xs = (k_JBKYH, v_JBKYH, ks.pos, ks.seg, ks.valid, live_J)
-        if len(live_J) == 1:  # one key block: no loop; a dead pair is computed, then dropped by a select
-            ok = _block_mask(q_pos_BX, q_seg_BX, *_first((ks.pos, ks.seg)), q_valid_X, ks.valid[0], st)
-            new = _online_softmax_step(init, q_BKGXH, k_JBKYH[0], v_JBKYH[0], ok, st)
-            m_BKGX, l_BKGX, acc_BKGXH = _keep_if(live_J[0], new, init)
-        else:
-            (m_BKGX, l_BKGX, acc_BKGXH), _ = lax.scan(step, init, xs)
+        (m_BKGX, l_BKGX, acc_BKGXH), _ = _scan(step, init, xs)
         seen = l_BKGX > 0
         l_BKGX = jnp.where(seen, l_BKGX, 1.0)
         o_BKGXH = acc_BKGXH / l_BKGX[..., None]
         lse_BKGX = jnp.where(seen, m_BKGX + jnp.log(l_BKGX), MASK_VALUE)
-        return o_BKGXH.astype(q_BKGXH.dtype), lse_BKGX
+        return None, (o_BKGXH.astype(q_BKGXH.dtype), lse_BKGX)
 
-    args = (q_IBKGXH, qs.pos, qs.seg, qs.valid, live_IJ)
-    if len(live_IJ) == 1:
-        return jax.tree.map(lambda a: a[None], one_q_block(_first(args)))
-    return lax.map(one_q_block, args)
+    return _scan(one_q_block, None, (q_IBKGXH, qs.pos, qs.seg, qs.valid, live_IJ))[1]
 
 
-def _keep_if(live, new, old):
-    """`new` where the block pair is live, else `old`: the result of a skipped pair, whatever (even NaN)
-    computing it gave. For loops of one step, where a `lax.cond` and its loop cost more to compile than
-    the one pair costs to compute."""
-    return jax.tree.map(lambda n, o: jnp.where(live, n, o), new, old)
+def _scan(step, carry, xs):
+    """`lax.scan(step, carry, xs)`; a scan of one step calls `step` once, with no loop to compile (every
+    sequence up to a block long: one block pair). `xs` may hold None and numpy validity masks."""
+    if jax.tree.leaves(xs)[0].shape[0] != 1:
+        return lax.scan(step, carry, xs)
+    carry, ys = step(carry, jax.tree.map(lambda a: a[0], xs))
+    return carry, jax.tree.map(lambda a: a[None], ys)
 
 
-def _first(tree):
-    """Block 0 of every [blocks, ...] array (None and numpy validity masks alike)."""
-    return jax.tree.map(lambda a: a[0], tree)
+def _when(live, fn, skip, *operands, select: bool):
+    """`lax.cond(live, fn, skip, *operands)`. With `select` (a loop of one step, where the cond costs
+    more to compile than one block pair costs to compute) both run and a select keeps one: a dead pair's
+    values (even NaN) still never reach the result."""
+    if not select:
+        return lax.cond(live, fn, skip, *operands)
+    return jax.tree.map(lambda a, b: jnp.where(live, a, b), fn(*operands), skip(*operands))
 
 
 def _bwd_blocks(
@@ -307,27 +305,16 @@ def _bwd_blocks(
                 dq, dk, dv = _block_grads(q_BKGXH, k_BKYH, v_BKYH, do_BKGXH, lse_BKGX, delta_BKGX, ok, st)
                 return (dkv[0] + dk, dkv[1] + dv), dq_BKGXH + dq
 
-            return lax.cond(live, add_grads, lambda *a: a, dkv, dq_BKGXH)
+            return _when(live, add_grads, lambda *a: a, dkv, dq_BKGXH, select=len(live_I) == 1)
 
-        xs = (q_IBKGXH, do_IBKGXH, lse_IBKGX, delta_IBKGX, qs.pos, qs.seg, qs.valid, live_I, dq_IBKGXH)
-        if len(live_I) == 1:  # one query block: no loop; a dead pair is computed, then dropped by a select
-            q_BKGXH, do_BKGXH, lse_BKGX, delta_BKGX, q_pos_BX, q_seg_BX, q_valid_X, live, dq_BKGXH = _first(
-                xs
-            )
-            ok = _block_mask(q_pos_BX, q_seg_BX, k_pos_BY, k_seg_BY, q_valid_X, k_valid_Y, st)
-            grads = _block_grads(q_BKGXH, k_BKYH, v_BKYH, do_BKGXH, lse_BKGX, delta_BKGX, ok, st)
-            dq, dk, dv = _keep_if(live, grads, jax.tree.map(jnp.zeros_like, grads))
-            return (dq_BKGXH + dq)[None], (dk, dv)
         zeros_BKYH = jnp.zeros(k_BKYH.shape, jnp.float32)
-        (dk_BKYH, dv_BKYH), dq_IBKGXH = lax.scan(step, (zeros_BKYH, zeros_BKYH), xs)
+        xs = (q_IBKGXH, do_IBKGXH, lse_IBKGX, delta_IBKGX, qs.pos, qs.seg, qs.valid, live_I, dq_IBKGXH)
+        (dk_BKYH, dv_BKYH), dq_IBKGXH = _scan(step, (zeros_BKYH, zeros_BKYH), xs)
         return dq_IBKGXH, (dk_BKYH, dv_BKYH)
 
     dq_IBKGXH = jnp.zeros(q_IBKGXH.shape, jnp.float32)
     xs = (k_JBKYH, v_JBKYH, ks.pos, ks.seg, ks.valid, live_IJ.T)
-    if len(live_IJ.T) == 1:  # one key block
-        dq_IBKGXH, dkv = one_kv_block(dq_IBKGXH, _first(xs))
-        return dq_IBKGXH, jax.tree.map(lambda a: a[None], dkv)
-    return lax.scan(one_kv_block, dq_IBKGXH, xs)
+    return _scan(one_kv_block, dq_IBKGXH, xs)
 
 
 def _tie_to(masks: _Masks, x: jax.Array) -> _Masks:
