@@ -12,10 +12,8 @@ from inference import Engine
 
 
 def _bias(state) -> np.ndarray:
-    """[MoE layers, experts]: the stacked bias of scanned layers, or each unrolled layer's in order."""
+    """[MoE layers, experts]: each layer's bias in order (the test config unrolls its layers)."""
     blocks = state["moe_layers"]["blocks"]
-    if "mlp" in blocks:
-        return np.asarray(blocks["mlp"]["expert_bias"][...])
     return np.stack([np.asarray(blocks[i]["mlp"]["expert_bias"][...]) for i in sorted(blocks)])
 
 
