@@ -140,8 +140,10 @@ def _assert_bit_identical(got, want):
         assert g.dtype == w.dtype and np.array_equal(g, w), f"leaf {i} differs after resume"
 
 
-# CI covers SIGKILL-then-resume through the main job (test_train's kill -9 test: real processes, bit-identical
-# parameters); this driver's version, ~25 s more, runs with the slow tests.
+# The driver's kill tests run with the slow tests (with their uninterrupted reference run, three driver
+# processes in all, ~45 s of CI time). CI covers both through the main job itself: test_train's kill -9 test
+# (real processes, a bit-identical resume) and test_train_options' SIGTERM test (SIGTERM mid-run: the state is
+# saved at that step, the process exits 0, the next start continues from the saved step).
 @pytest.mark.slow
 def test_sigkill_then_resume_is_exact(tmp_path, reference):
     workdir = tmp_path / "run"
@@ -157,6 +159,7 @@ def test_sigkill_then_resume_is_exact(tmp_path, reference):
     _assert_bit_identical(_final(workdir), reference)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(tmp_path, reference):
     workdir = tmp_path / "run"
     proc = _launch(tmp_path, workdir, pause=0.4)
