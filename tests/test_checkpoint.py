@@ -141,9 +141,10 @@ def _assert_bit_identical(got, want):
 
 
 # The driver's kill tests run with the slow tests (with their uninterrupted reference run, three driver
-# processes in all, ~45 s of CI time). CI covers both through the main job itself: test_train's kill -9 test
-# (real processes, a bit-identical resume) and test_train_options' SIGTERM test (SIGTERM mid-run: the state is
-# saved at that step, the process exits 0, the next start continues from the saved step).
+# processes in all, ~45 s of CI time, estimated). CI covers both signals through the main job itself:
+# test_train's kill -9 test (real processes, a bit-identical resume) and test_train_options' SIGTERM test
+# (SIGTERM during the SFT warm start: saved at that step, exit 0, the next start continues from it). Only
+# here: a resume from a SIGTERM save ends bit-identical to the uninterrupted run.
 @pytest.mark.slow
 def test_sigkill_then_resume_is_exact(tmp_path, reference):
     workdir = tmp_path / "run"
