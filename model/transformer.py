@@ -162,7 +162,10 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
         config_lib.validate_model(cfg.model)
-        cfg = ml_collections.FrozenConfigDict(cfg)  # hashable: stored in the graph definition
+        # Hashable, stored in the graph definition: the sections the model reads and no others, so configs
+        # that differ only elsewhere (rl, data, ...) give equal graph definitions and share jitted steps
+        # (`inference.steps.jitted`, `rl.train_step`'s step cache); a read of another section fails here.
+        cfg = model_config(cfg)
         m = cfg.model
         self.cfg = cfg
         self.rules = tuple(cfg.mesh.rules)
@@ -394,14 +397,28 @@ def build(
 ) -> Transformer:
     """Builds the model; with a mesh, every parameter is created directly with its sharding."""
     config_lib.validate(cfg, None if mesh is None else mesh.size)
-    make = lambda: Transformer(cfg, rngs=nnx.Rngs(params=seeds.key(seed)))
     if mesh is None:
-        return make()
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    shardings = sharding.state_shardings(abstract, mesh, cfg.mesh.rules)
+        return Transformer(cfg, rngs=nnx.Rngs(params=seeds.key(seed)))
+    graphdef, init = _sharded_init(model_config(cfg), mesh)
     with jax.set_mesh(mesh):
-        state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+        state = init(seeds.key(seed))
     return nnx.merge(graphdef, state)
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+    """The sections of `cfg` a Transformer reads (model, mesh), frozen: hashable, a cache key."""
+    return ml_collections.FrozenConfigDict({"model": cfg.model, "mesh": cfg.mesh})
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_init(cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh):
+    """(graph definition, jitted `init(key) -> state`): every parameter made with its sharding on `mesh`.
+    The key is an argument, so every seed runs one program (one compile: ~8 s for the test config's model
+    on the 2-core reference CPU, a threefry hash per parameter); the model and mesh are the cache key."""
+    make = lambda key: Transformer(cfg, rngs=nnx.Rngs(params=key))  # noqa: E731
+    graphdef, abstract = nnx.split(nnx.eval_shape(make, jax.random.key(0)))
+    shardings = sharding.state_shardings(abstract, mesh, cfg.mesh.rules)
+    return graphdef, jax.jit(lambda key: nnx.state(make(key)), out_shardings=shardings)
 
 
 def next_token_loss(logits_BTV: jax.Array, tokens_BT: jax.Array, mask_BT=None) -> jax.Array:

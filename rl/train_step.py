@@ -118,6 +118,38 @@ def _as_model_def(graphdef: ModelDef | nnx.GraphDef) -> ModelDef:
     return graphdef if isinstance(graphdef, ModelDef) else ModelDef(graphdef, nnx.State({}))
 
 
+# The rl fields the jitted steps and log-prob functions read (`step_config`); rl.domains too, under
+# rl.gradient_projection.
+STEP_RL_FIELDS = (
+    "micro_batches",
+    "optim",
+    "loss",
+    "routing_replay",
+    "top_k",
+    "top_p",
+    "temperature",
+    "max_new_tokens",
+    "max_turns",
+    "mismatch_band",
+    "gradient_projection",
+)
+
+
+def step_config(cfg: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+    """The part of `cfg` the jitted steps read (model, mesh, rl.STEP_RL_FIELDS), frozen: the key of the
+    per-process step cache. The steps are built from it alone, so a read of any other field fails rather
+    than running a program built for another config; two configs that differ elsewhere (steps, checkpoints,
+    evaluation, data) share the traced and compiled steps."""
+    rl = {k: cfg.rl[k] for k in STEP_RL_FIELDS if k in cfg.rl}
+    if rl.get("gradient_projection"):
+        rl["domains"] = tuple(cfg.rl.domains)
+    return ml_collections.FrozenConfigDict({"model": cfg.model, "mesh": cfg.mesh, "rl": rl})
+
+
+def _graph(graphdef: ModelDef | nnx.GraphDef) -> nnx.GraphDef:
+    return graphdef.graphdef if isinstance(graphdef, ModelDef) else graphdef
+
+
 # --- Optimizer ----------------------------------------------------------------------------------------------
 
 
@@ -361,7 +393,21 @@ def make_logprobs(
     graph definition's). `replay` defaults to rl.routing_replay; the reference passes False (it is another
     model: it routes its own way) and `processed=False` (the KL is between the models' unfiltered
     distributions). With a `logit_window` only the window's tokens are scored (every trained token: see
-    `rollout.make_batch(window=...)`); prompt positions hold 0."""
+    `rollout.make_batch(window=...)`); prompt positions hold 0. The jitted function is shared by every call
+    with the same `step_config`, graph, options and mesh (`_logprobs`)."""
+    model_def = _as_model_def(graphdef)
+    replay = bool(cfg.rl.routing_replay if replay is None else replay)
+    run = _logprobs(step_config(cfg), model_def.graphdef, replay, bool(processed), mesh)
+    default = lambda rest: model_def.rest if rest is None else rest  # noqa: E731
+    fn = lambda params, batch, rest=None: run(params, batch, default(rest))  # noqa: E731
+    # compile(params, batch, rest=None): the executable of that call, compiled and not run
+    fn.compile = lambda params, batch, rest=None: run.compile(params, batch, default(rest))
+    return fn
+
+
+@functools.lru_cache(maxsize=16)
+def _logprobs(cfg, graphdef: nnx.GraphDef, replay: bool, processed: bool, mesh):
+    """`make_logprobs`'s jitted function over `cfg = step_config(...)`, taking `rest` always."""
 
     def fn(params, batch, rest):
         window = logit_window(cfg, batch["tokens_BT"].shape[1])
@@ -370,15 +416,12 @@ def make_logprobs(
         return _token_logprobs(cfg, logits, batch["tokens_BT"], processed=processed, positions_BK=window_BK)
 
     jitted = distributed.Together(jax.jit(fn), "logprobs")
-    keys = ("tokens_BT", "positions_BT", "mask_BT") + (
-        ("expert_indices",) if (cfg.rl.routing_replay if replay is None else replay) else ()
-    )
+    keys = ("tokens_BT", "positions_BT", "mask_BT") + (("expert_indices",) if replay else ())
 
-    def on_mesh(params, batch, rest=None, *, run=jitted):
+    def on_mesh(params, batch, rest, *, run=jitted):
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             return run(params, _select(batch, keys), rest)
 
-    # compile(params, batch, rest=None): the executable of that call, compiled and not run
     on_mesh.compile = functools.partial(on_mesh, run=jitted.compile)
     return on_mesh
 
@@ -658,14 +701,21 @@ def updates_per_batch(cfg: ml_collections.ConfigDict) -> int:
 
 
 def make_train_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
-    """`step_fn(state, batch) -> (state, metrics)`: one GRPO update (see the module docstring)."""
+    """`step_fn(state, batch) -> (state, metrics)`: one GRPO update (see the module docstring). Shared by
+    every call with the same `step_config`, graph definition and mesh: a second main job in one process
+    (a notebook's, a test worker's) neither traces nor compiles it again."""
     grpo.validate_loss_config(cfg.rl.loss)
+    return _train_step(step_config(cfg), _graph(graphdef), mesh, grpo_batch_keys(cfg))
+
+
+@functools.lru_cache(maxsize=16)
+def _train_step(cfg, graphdef: nnx.GraphDef, mesh, keys: tuple[str, ...]):
     units = lambda mask_MBT: _units_M(cfg.rl.loss.aggregation, mask_MBT)
     if not cfg.rl.get("gradient_projection", False):
-        return _make_step(cfg, graphdef, mesh, grpo_batch_keys(cfg), _grpo_loss, units)
+        return _make_step(cfg, graphdef, mesh, keys, _grpo_loss, units)
     domains = tuple(cfg.rl.domains)
     loss = functools.partial(_grpo_domain_losses, units_fn=units, num_domains=len(domains))
-    return _make_step(cfg, graphdef, mesh, grpo_batch_keys(cfg), loss, units, domains)
+    return _make_step(cfg, graphdef, mesh, keys, loss, units, domains)
 
 
 def make_sft_step(
@@ -680,6 +730,11 @@ def make_sft_step(
     same state and optimizer as GRPO; routing is never replayed."""
     if mtp_weight and not cfg.model.mtp_layers:
         raise ValueError(f"mtp_weight={mtp_weight} needs MTP modules (model.mtp_layers > 0)")
+    return _sft_step(step_config(cfg), _graph(graphdef), mesh, float(mtp_weight))
+
+
+@functools.lru_cache(maxsize=16)
+def _sft_step(cfg, graphdef: nnx.GraphDef, mesh, mtp_weight: float):
     # The target of position t is token t + 1, counted where mask[:, t + 1]: micro-batches weigh by those.
     # So does the MTP loss: depth k's targets are the same masked tokens less any at index <= k (none in a row
     # that starts with a prompt of more than k tokens).
