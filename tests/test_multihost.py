@@ -27,6 +27,7 @@ import time
 import numpy as np
 import pytest
 import test_train
+import xla_env
 
 from configs import grpo
 
@@ -44,7 +45,7 @@ def _env(devices: int, **extra) -> dict:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_env.child_flags(devices),
         JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, ".jax_cache"),
         **extra,
     )

@@ -12,6 +12,7 @@ import pathlib
 import sys
 
 import pytest
+import xla_env
 
 _REASON = "notebook test dependencies missing (pip install -e '.[test]')"
 nbformat = pytest.importorskip("nbformat", reason=_REASON)
@@ -59,7 +60,7 @@ def test_quickstart_runs_end_to_end(tmp_path, monkeypatch):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",  # a Colab CPU runtime has one device
+        XLA_FLAGS=xla_env.child_flags(1),  # a Colab CPU runtime has one device
         JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",  # as tests/conftest.py
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),

@@ -105,7 +105,10 @@ def test_domain_losses_and_gradients_add_up_to_the_batch(aggregation):
         return ts._grpo_domain_losses(cfg, model_def, p, batch, w, 1, units_fn=units, num_domains=2)[0]
 
     losses_D = per_domain(state.params)
-    np.testing.assert_allclose(float(losses_D.sum()), float(full(state.params)), rtol=1e-6)
+    # The same 43 per-token terms (each of order w / 43: advantages in [-1, 1], ratios ~1) added in two orders
+    # cancel to ~0.027: f32 rounding is relative to the terms, not to that sum (worst case 42 eps w ~ 3.5e-6),
+    # so the sums agree to ATOL, as the gradients below; a lost or doubled token moves them by ~1e-2.
+    np.testing.assert_allclose(float(losses_D.sum()), float(full(state.params)), rtol=0, atol=ATOL)
     assert abs(float(losses_D[0] - losses_D[1])) > 1e-4  # two different halves, not a copy
     g_full = jax.grad(full)(state.params)
     g_sum = jax.grad(lambda p: per_domain(p).sum())(state.params)

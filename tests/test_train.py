@@ -10,6 +10,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import xla_env
 
 from configs import grpo
 
@@ -84,7 +85,7 @@ def test_kill_9_and_restart_resumes_bit_identically(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        XLA_FLAGS=xla_env.child_flags(1),
         JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, ".jax_cache"),
     )
     full, killed = tmp_path / "full", tmp_path / "killed"

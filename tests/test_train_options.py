@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+import xla_env
 
 from configs import grpo
 from model.config import ConfigError
@@ -187,7 +188,7 @@ def test_changed_model_config_is_refused_on_resume(tmp_path):
 def test_sigterm_during_sft_saves_and_resumes(tmp_path):
     """SIGTERM in the warm start: the SFT progress is saved (step 0, sft_step < steps) and the next start
     continues it instead of starting over."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_env.child_flags(1))
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(ROOT, ".jax_cache")
     command = [
         sys.executable,
