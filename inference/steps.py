@@ -24,6 +24,7 @@ the n samples of a prompt never share a key.
 from __future__ import annotations
 
 import functools
+import platform
 from typing import NamedTuple
 
 import jax
@@ -391,13 +392,23 @@ def _function(kind: str, static: tuple):
     raise ValueError(f"unknown step kind {kind!r}")
 
 
-# XLA:CPU runs every dot in YNNPACK (a `ynn_fusion`). At decode-size row counts its own (Eigen) dot kernels
-# are faster: 8 dependent [M, 512] x [512, 2048] matmuls on the 2-core reference CPU ran 1.34x / 1.64x /
-# 1.52x / 1.30x faster on Eigen at M = 4 / 8 / 16 / 32, while YNNPACK won at M = 1 / 2 (0.97x / 0.91x) and
-# from M = 64 on (0.74x): `benchmarks/small_dots.py`, benchmarks/results/small_dots.jsonl. A step whose
-# matmuls have SMALL_DOT_MIN_ROWS .. SMALL_DOT_ROWS rows compiles without YNN fusions on CPU (`dot_options`).
+# XLA:CPU runs every dot in YNNPACK (a `ynn_fusion`). Whether its own (Eigen) dot kernels are faster at
+# decode-size row counts depends on the CPU (`benchmarks/small_dots.py`, benchmarks/results/small_dots.jsonl:
+# 8 dependent [M, 512] x [512, 2048] matmuls; the engine built both ways in one process, calls alternated):
+# - a 2-core AMD EPYC VM with AVX2 and no AVX-512: Eigen 1.34x / 1.64x / 1.52x / 1.30x faster at M = 4 / 8 /
+#   16 / 32, slower at M = 1 / 2 (0.97x / 0.91x) and from M = 64 on (0.74x); decode on the peer anchor shapes
+#   +5.9% dense, +5.4% MoE, the speculative step at batch 1 21.5 -> 17.1 ms;
+# - a 2-core Intel Xeon with AVX-512 (and AMX), two runs: the matmul chain mixed (Eigen 0.94x-1.52x at M = 4
+#   to 32), but the engine slower on Eigen at every batch: decode 0.86x / 0.92x dense, 0.91x / 0.92x MoE,
+#   plain batch 4 4.06 -> 4.67 / 3.88 -> 4.39 ms per step, the speculative step at batch 4 10.2 -> 11.0 /
+#   9.2 -> 9.8 ms.
+# So a step whose matmuls have SMALL_DOT_MIN_ROWS .. SMALL_DOT_ROWS rows compiles without YNN fusions on an
+# x86-64 CPU without AVX-512 (`eigen_small_dots`); elsewhere every step keeps XLA's defaults. The choice is
+# fixed per machine (a resumed run computes as the interrupted one did); EIGEN_SMALL_DOTS = True / False
+# overrides it (the benchmark's A/B).
 SMALL_DOT_MIN_ROWS, SMALL_DOT_ROWS = 4, 32
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+EIGEN_SMALL_DOTS: bool | None = None  # None: by the host CPU (`eigen_small_dots`)
 
 
 @functools.cache
@@ -410,11 +421,33 @@ def _no_ynn_supported() -> bool:
     return True
 
 
+def x86_without_avx512(machine: str, cpuinfo: str) -> bool:
+    """Whether `platform.machine()` and /proc/cpuinfo's text describe an x86-64 CPU without AVX-512F (every
+    processor's flags; an empty or unreadable cpuinfo: False, nothing known)."""
+    if machine.lower() not in ("x86_64", "amd64"):
+        return False
+    flag_sets = [line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")]
+    return bool(flag_sets) and not any("avx512f" in flags for flags in flag_sets)
+
+
+@functools.cache
+def eigen_small_dots() -> bool:
+    """Whether this host is the kind of CPU where Eigen beat YNNPACK at decode sizes (see above)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpuinfo = f.read()
+    except OSError:
+        return False
+    return x86_without_avx512(platform.machine(), cpuinfo)
+
+
 def dot_options(rows: int, platform: str) -> dict | None:
     """The compiler options of a step whose matmuls have `rows` rows (0: not known, e.g. bucketed prefill)
-    on `platform`: on CPU, from SMALL_DOT_MIN_ROWS to SMALL_DOT_ROWS rows, dots outside YNNPACK; otherwise
-    XLA's defaults."""
+    on `platform`: on a CPU where Eigen wins at decode sizes (EIGEN_SMALL_DOTS, else `eigen_small_dots`),
+    from SMALL_DOT_MIN_ROWS to SMALL_DOT_ROWS rows, dots outside YNNPACK; otherwise XLA's defaults."""
     if platform != "cpu" or not SMALL_DOT_MIN_ROWS <= rows <= SMALL_DOT_ROWS or not _no_ynn_supported():
+        return None
+    if not (eigen_small_dots() if EIGEN_SMALL_DOTS is None else EIGEN_SMALL_DOTS):
         return None
     return dict(NO_YNN)
 
