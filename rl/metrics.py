@@ -126,6 +126,7 @@ class MetricsLogger:
         self.path = self.workdir / METRICS_FILE
         self.total_steps, self.stream, self.print_every = total_steps, stream, max(1, print_every)
         self.nonfinite: Counter[str] = Counter()  # key -> NaN/inf values written as null
+        drop_torn_tail(self.path)  # a run killed mid-write: its restart appends after the last whole record
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._writer = _summary_writer(self.workdir / "tensorboard", tensorboard)
         self._tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
@@ -192,6 +193,29 @@ class MetricsLogger:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def drop_torn_tail(path: pathlib.Path, chunk: int = 1 << 16) -> int:
+    """Truncates `path` after its last newline (a record is one whole line, so what follows it is a write that
+    a killed run left unfinished); returns the bytes dropped. A missing or whole file is left as it is."""
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:
+            start = max(0, end - chunk)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            end = start
+        else:
+            keep = 0
+        if keep < size:
+            f.truncate(keep)
+        return size - keep
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:

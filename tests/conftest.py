@@ -25,7 +25,9 @@ from absl import flags  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 _cache = pathlib.Path(os.environ.get("JAX_TEST_CACHE", pathlib.Path(__file__).parent.parent / ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", str(_cache))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Child processes (main jobs, hosts) read the threshold from the environment (JAX's default is 1 s).
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Modules that define absl flags (CLIs) can be imported and used without parsing argv.

@@ -69,6 +69,30 @@ def test_read_skips_torn_last_line_only(tmp_path):
         metrics.read_metrics(tmp_path / "nope")
 
 
+def test_a_restart_appends_after_a_torn_last_line(tmp_path):
+    """A run killed mid-write leaves half a record; its restart drops it before appending, so every line of
+    the file is a whole record (the restart logs that step again)."""
+    path = tmp_path / metrics.METRICS_FILE
+    path.write_text('{"step": 2, "loss": 1.0}\n{"step": 3, "lo')
+    with metrics.MetricsLogger(tmp_path, tensorboard=False, stream=None) as log:
+        log.log(3, {"loss": 0.5})
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 3]
+    assert json.loads(lines[1])["loss"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("text", "dropped"),
+    [("", 0), ("a\n", 0), ("a\nbc", 2), ("abc", 3), ("a\n" + "x" * 70_000, 70_000)],
+)
+def test_drop_torn_tail(tmp_path, text, dropped):
+    path = tmp_path / "f"
+    path.write_text(text)
+    assert metrics.drop_torn_tail(path, chunk=1 << 10) == dropped
+    assert path.read_text() == text[: len(text) - dropped]
+    assert metrics.drop_torn_tail(tmp_path / "missing") == 0
+
+
 def test_by_step_merges_resumed_and_split_records():
     records = [
         {"step": 1, "loss": 3.0},
