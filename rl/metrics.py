@@ -195,26 +195,22 @@ class MetricsLogger:
         self.close()
 
 
-def drop_torn_tail(path: pathlib.Path, chunk: int = 1 << 16) -> int:
+def drop_torn_tail(path: pathlib.Path) -> int:
     """Truncates `path` after its last newline (a record is one whole line, so what follows it is a write that
-    a killed run left unfinished); returns the bytes dropped. A missing or whole file is left as it is."""
+    a killed run left unfinished); returns the bytes dropped. A missing or whole file is left as it is, after
+    reading its last byte only."""
     if not path.exists():
         return 0
     with open(path, "rb+") as f:
         size = f.seek(0, os.SEEK_END)
-        end = size
-        while end > 0:
-            start = max(0, end - chunk)
-            f.seek(start)
-            newline = f.read(end - start).rfind(b"\n")
-            if newline >= 0:
-                keep = start + newline + 1
-                break
-            end = start
-        else:
-            keep = 0
-        if keep < size:
-            f.truncate(keep)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        f.seek(0)
+        keep = f.read().rfind(b"\n") + 1  # 0 when no line was ever finished
+        f.truncate(keep)
         return size - keep
 
 

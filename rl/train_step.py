@@ -146,10 +146,6 @@ def step_config(cfg: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDi
     return ml_collections.FrozenConfigDict({"model": cfg.model, "mesh": cfg.mesh, "rl": rl})
 
 
-def _graph(graphdef: ModelDef | nnx.GraphDef) -> nnx.GraphDef:
-    return graphdef.graphdef if isinstance(graphdef, ModelDef) else graphdef
-
-
 # --- Optimizer ----------------------------------------------------------------------------------------------
 
 
@@ -705,7 +701,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shard
     every call with the same `step_config`, graph definition and mesh: a second main job in one process
     (a notebook's, a test worker's) neither traces nor compiles it again."""
     grpo.validate_loss_config(cfg.rl.loss)
-    return _train_step(step_config(cfg), _graph(graphdef), mesh, grpo_batch_keys(cfg))
+    return _train_step(step_config(cfg), _as_model_def(graphdef).graphdef, mesh, grpo_batch_keys(cfg))
 
 
 @functools.lru_cache(maxsize=16)
@@ -730,7 +726,7 @@ def make_sft_step(
     same state and optimizer as GRPO; routing is never replayed."""
     if mtp_weight and not cfg.model.mtp_layers:
         raise ValueError(f"mtp_weight={mtp_weight} needs MTP modules (model.mtp_layers > 0)")
-    return _sft_step(step_config(cfg), _graph(graphdef), mesh, float(mtp_weight))
+    return _sft_step(step_config(cfg), _as_model_def(graphdef).graphdef, mesh, float(mtp_weight))
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import xla_env
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import grpo
@@ -78,9 +79,7 @@ DRIVER = textwrap.dedent(
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    env = dict(os.environ, XLA_FLAGS=xla_env.child_flags(None), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     env["DRIVER_CACHE"] = str(REPO / ".jax_cache")
     return env
 

@@ -62,9 +62,6 @@ def test_quickstart_runs_end_to_end(tmp_path, monkeypatch):
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=xla_env.child_flags(1),  # a Colab CPU runtime has one device
         JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=os.environ[
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
-        ],  # conftest.py's
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     )
     client = nbclient.NotebookClient(
