@@ -28,12 +28,13 @@ was scored, `Watch.findings()` lists what it did:
     memory             the token's processes together held more than `memory_bytes` + `MEMORY_SLACK` of
                        anonymous and shared memory at once, sampled every 20 ms. Without cgroups the
                        sandbox's watchdog samples every 10 ms (2 ms from half the total on), so a run
-                       overshoots its total by what it faults in during one period and the watchdog's own
-                       scheduling delay. With 12 processes of a 256 MiB total on 2 cores: 172 MiB over
-                       once in a full `make test` with a 10 ms period throughout (a finding); beside three
-                       memory-churning processes, 95 MiB over at most in 15 runs at 10 ms throughout and
-                       56 MiB in 25 runs with the 2 ms period near the total. `_GOAL` (2 x the total) lies
-                       well above.
+                       overshoots its total by what it faults in during one period and while the watchdog
+                       waits for a core. With 12 processes of a 256 MiB total on 2 cores: 172 MiB over
+                       once in a full `make test` with a 10 ms period throughout (a finding); 136 MiB over
+                       a 2 GiB total once in a full `make test` with the 2 ms period near the total, and up
+                       to 1.4 GiB over beside 3 XLA-compiling processes (`benchmarks/sandbox_memory.py`),
+                       until the watchdog ran at a higher priority than the run (`envs.sandbox`'s module
+                       docstring has the figures). `_GOAL` (2 x the total) lies well above.
 
 `ESCAPE_PROBES` (python source, like `qa.CODE_PROBES`): fill /dev/shm, many processes each below the
 per-process memory limit, leave a file for the next episode and look for it, list /proc, read the canaries,

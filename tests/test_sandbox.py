@@ -7,8 +7,12 @@ bubblewrap. What isolation each level adds is in tests/test_sandbox_isolation.py
 import contextlib
 import os
 import pathlib
+import re
 import signal
 import stat
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -410,3 +414,55 @@ def test_a_run_whose_work_dir_is_gone_fails_the_same_warm_and_cold():
         assert outcomes == [(126, True), (126, True)]
     else:
         assert outcomes[0] == outcomes[1]
+
+
+def _stat_nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19, the 17th after the command name
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _slice_ns(pid: int | str) -> int | None:
+    with open(f"/proc/{pid}/sched") as f:
+        found = [line.split(":")[1] for line in f if line.startswith("se.slice")]
+    return int(found[0]) if found else None
+
+
+def _may_lower_nice() -> bool:
+    """Whether this host process may lower its nice value (CAP_SYS_NICE), asked of a fresh interpreter."""
+    probe = "import os; os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("zygote", [True, False])
+def test_the_watchdog_outranks_the_run_and_the_run_never_outranks_the_host(zygote):
+    """With the watchdog bounding a run's total (no cgroup), its supervisor C runs `WATCH_NICE_BELOW` nice
+    values under the host where it may lower its own, and the run at the host's; elsewhere C at the host's
+    and the run `WATCH_NICE_BELOW` above it. C's EEVDF slice request is `WATCH_SLICE_NS` (kernels from 6.12
+    take one), the run's the host's: a sandboxed run never gets a higher priority than its starter."""
+    if sandbox.isolation().resources != "watchdog" or sandbox.isolation().backend != "unshare":
+        pytest.skip(f"no watchdog at the own backend here ({sandbox.isolation()})")
+    host_nice, host_slice = os.getpriority(os.PRIO_PROCESS, 0), _slice_ns("self")
+    with Sandbox(zygote=zygote) as box:
+        running = threading.Thread(target=box.run, args=(["sleep", "3"],))
+        running.start()
+        deadline = time.monotonic() + 2.0
+        while not (command := _procs_in(box.workdir)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert command, "the run's command did not show up"
+        supervisor = _ppid(_ppid(command[0]))  # P's parent is I, I's is C
+        seen = (_stat_nice(command[0]), _slice_ns(command[0]), _stat_nice(supervisor), _slice_ns(supervisor))
+        running.join()
+    below, above = (
+        max(-20, host_nice - sandbox.WATCH_NICE_BELOW),
+        min(19, host_nice + sandbox.WATCH_NICE_BELOW),
+    )
+    assert (seen[2], seen[0]) == ((below, host_nice) if _may_lower_nice() else (host_nice, above))
+    assert seen[1] == host_slice
+    kernel = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    if kernel >= (6, 12) and host_slice is not None:
+        assert seen[3] == sandbox.WATCH_SLICE_NS
