@@ -17,7 +17,7 @@ Processes of one run at the "mount" and "unshare-net" levels (own backend):
                   there is one; the memory watchdog, at a higher priority than the run's (`_raise_priority`);
                   ends the way the command ended
               `-- I   PID 1 of the run's PID namespace, root of the run's first user namespace: takes the
-                      host's priority back; makes the
+                      run's priority (`_lower_run_priority`); makes the
                       mount, network, IPC and UTS namespaces, the root and P ahead; takes the run from the
                       channel, passes C the events fd, shows the work dir, hands P its run, reaps; once the
                       command has ended, kills and reaps everything left in the namespace, then writes the
