@@ -347,24 +347,39 @@ def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: in
     os._exit(0)
 
 
-def _memory_in(proc: str | int, host_proc_dev: int) -> int:
-    """Bytes of anonymous and shared memory mapped by the processes of the PID namespace whose /proc is
-    `proc` (a path, or a descriptor of the directory); 0 until that /proc is the run's own."""
+def _open_run_proc(proc: str | int, host_proc_dev: int) -> int | None:
+    """A descriptor of the run's /proc, from `proc` (a path, or a descriptor of the directory), or None while
+    that is still the host's /proc: one descriptor per look, so that measuring and killing see the same
+    /proc even where `proc` is a path that could come to name another."""
     try:
-        if os.stat(proc).st_dev == host_proc_dev:
-            return 0
-        names = os.listdir(proc)
+        fd = os.open(proc if isinstance(proc, str) else ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
+                     dir_fd=None if isinstance(proc, str) else proc)  # fmt: skip
     except OSError:
-        return 0
+        return None
+    if os.fstat(fd).st_dev == host_proc_dev:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _pids_in(proc: int) -> list[str]:
+    """The process directories of the /proc open at `proc`."""
+    try:
+        return [name for name in os.listdir(proc) if name.isdigit()]
+    except OSError:
+        return []
+
+
+def _memory_in(proc: int) -> int:
+    """Bytes of anonymous and shared memory mapped by the processes of the PID namespace whose /proc is open
+    at `proc`."""
     total = 0
-    for name in names:
-        if name.isdigit():
-            try:
-                fd = os.open(f"{name}/status", os.O_RDONLY, dir_fd=proc) if isinstance(proc, int) else None
-                with open(fd if fd is not None else f"{proc}/{name}/status", "rb") as f:
-                    total += sum(int(kb) for kb in _RSS.findall(f.read())) << 10
-            except OSError:
-                continue
+    for name in _pids_in(proc):
+        with (
+            contextlib.suppress(OSError),
+            open(os.open(f"{name}/status", os.O_RDONLY, dir_fd=proc), "rb") as f,
+        ):
+            total += sum(int(kb) for kb in _RSS.findall(f.read())) << 10
     return total
 
 
@@ -404,20 +419,13 @@ def _lower_run_priority() -> None:
         _sched_slice(0)
 
 
-def _kill_all(proc: str | int) -> None:
-    """SIGKILL to every process of the PID namespace whose /proc is `proc`, each through a descriptor of its
-    /proc directory (`pidfd_send_signal`), at once: killing PID 1 alone leaves the others running, and
+def _kill_all(proc: int) -> None:
+    """SIGKILL to every process of the PID namespace whose /proc is open at `proc`, each through a descriptor
+    of its /proc directory (`pidfd_send_signal`), at once: killing PID 1 alone leaves the others running, and
     faulting in memory, until PID 1 is scheduled and its exit kills them."""
-    try:
-        names = os.listdir(proc)
-    except OSError:
-        return
-    at = proc if isinstance(proc, int) else None
-    for name in filter(str.isdigit, names):
+    for name in _pids_in(proc):
         with contextlib.suppress(OSError):
-            fd = os.open(
-                name if at is not None else f"{proc}/{name}", os.O_RDONLY | os.O_DIRECTORY, dir_fd=at
-            )
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc)
             try:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             finally:
@@ -442,11 +450,15 @@ def _watch(pid: int, limit: int | None, proc: str | int | None, report: socket.s
                     break
             elif pidfd in ready:
                 break
-            elif watching and (used := _memory_in(proc, host_dev)) > limit:
-                _kill_all(proc)
-                os.kill(pid, signal.SIGKILL)
-                os.write(EVENTS_FD, json.dumps({"memory_exceeded": used}).encode() + b"\n")
-                break
+            elif watching and (run_proc := _open_run_proc(proc, host_dev)) is not None:
+                try:
+                    if (used := _memory_in(run_proc)) > limit:
+                        _kill_all(run_proc)
+                        os.kill(pid, signal.SIGKILL)
+                        os.write(EVENTS_FD, json.dumps({"memory_exceeded": used}).encode() + b"\n")
+                        break
+                finally:
+                    os.close(run_proc)
     finally:
         os.close(pidfd)
     return int(line) if line.endswith(b"\n") else os.waitpid(pid, 0)[1]

@@ -416,14 +416,10 @@ def test_a_run_whose_work_dir_is_gone_fails_the_same_warm_and_cold():
         assert outcomes[0] == outcomes[1]
 
 
-def _stat_nice(pid: int) -> int:
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name: [0] is field 3 (state), [1] the parent, [16] nice."""
     with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19, the 17th after the command name
-
-
-def _ppid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def _slice_ns(pid: int | str) -> int | None:
@@ -454,8 +450,9 @@ def test_the_watchdog_outranks_the_run_and_the_run_never_outranks_the_host(zygot
         while not (command := _procs_in(box.workdir)) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert command, "the run's command did not show up"
-        supervisor = _ppid(_ppid(command[0]))  # P's parent is I, I's is C
-        seen = (_stat_nice(command[0]), _slice_ns(command[0]), _stat_nice(supervisor), _slice_ns(supervisor))
+        supervisor = int(_stat(int(_stat(command[0])[1]))[1])  # P's parent is I, I's is C
+        nice = int(_stat(command[0])[16]), int(_stat(supervisor)[16])
+        seen = (nice[0], _slice_ns(command[0]), nice[1], _slice_ns(supervisor))
         running.join()
     below, above = (
         max(-20, host_nice - sandbox.WATCH_NICE_BELOW),
