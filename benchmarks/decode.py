@@ -13,7 +13,8 @@ with every headline figure, its target and whether it was met:
 - speculative: a target and a drafter (<= 1/8 of its FLOPs per token) trained briefly on a sparse order-1
   Markov chain, then decoded from prompts of that chain at T=1 and greedy: acceptance, tokens per target
   forward vs (1 - a^(k+1)) / (1 - a), wall-clock speedup over plain decoding (batch 16, and by batch
-  --spec_batches with engines sized to the batch, against one step and 8 steps per call), greedy identical,
+  --spec_batches with engines sized to the batch: one speculative step per call against one and 8 plain steps
+  per call, and 8 speculative steps per call against 8 plain ones), greedy identical,
   chi-square of the first two tokens (T=1, plain and speculative) against the target's exact distribution;
   then NgramDrafter(3) on repetitive prompts (greedy walks of the chain).
 - peer: our tok/s (engine.decode_steps=8, the main job's default, and 1) vs transformers `generate`
@@ -446,6 +447,14 @@ def section_speculative(a, engines: Engines) -> list[dict]:
             "spec": spec
             if batch == 16
             else engines.make(f"spec_model_b{batch}", tcfg, tparams, draft=ModelDrafter(dcfg, dparams), **kw),
+            "spec_n8": engines.make(
+                f"spec_model_n8_b{batch}",
+                tcfg,
+                tparams,
+                draft=ModelDrafter(dcfg, dparams),
+                decode_steps=8,
+                **kw,
+            ),
         }
         sec, delta = {}, {}
         for name, eng in engs.items():
@@ -457,6 +466,9 @@ def section_speculative(a, engines: Engines) -> list[dict]:
             **{f"{name}_s": round(t, 3) for name, t in sec.items()},
             "speedup": round(sec["plain"] / sec["spec"], 2),
             "speedup_vs_decode_steps_8": round(sec["plain_n8"] / sec["spec"], 2),
+            # 8 speculative steps per call against 8 plain steps per call (like for like), and against one
+            "speedup_n8": round(sec["plain_n8"] / sec["spec_n8"], 2),
+            "speedup_n8_vs_decode_steps_1": round(sec["plain"] / sec["spec_n8"], 2),
         }
     out_p, out_s = outputs["greedy"]
     same = sum(x.tokens == y.tokens for x, y in zip(out_p, out_s))
@@ -473,8 +485,13 @@ def section_speculative(a, engines: Engines) -> list[dict]:
         **{name: chi_square(v, exact) for name, v in pairs.items()},
     }
     small = [v["speedup"] for k, v in line["by_batch"].items() if int(k[1:]) <= 4]
-    line["target"] = f"speedup >= {TARGETS['spec_speedup']} at batch 1-4, greedy identical"
+    small_n8 = [v["speedup_n8"] for k, v in line["by_batch"].items() if int(k[1:]) <= 4]
+    line["target"] = (
+        f"speedup >= {TARGETS['spec_speedup']} at batch 1-4 (one step per call each side; met_n8: 8 steps per"
+        " call each side), greedy identical"
+    )
     line["met"] = bool(small) and min(small) >= TARGETS["spec_speedup"] and same == len(out_p)
+    line["met_n8"] = bool(small_n8) and min(small_n8) >= TARGETS["spec_speedup"] and same == len(out_p)
     lines.append(emit(line))
 
     # Prompt lookup: greedy walks of the chain (they cycle), no draft model.
@@ -666,7 +683,9 @@ def main() -> None:
             "speedup_t1_vs_decode_steps_8_by_batch": {
                 k: v["speedup_vs_decode_steps_8"] for k, v in spec["by_batch"].items()
             },
+            "speedup_t1_n8_by_batch": {k: v["speedup_n8"] for k, v in spec["by_batch"].items()},
             "speculative_met": spec["met"],
+            "speculative_met_n8": spec["met_n8"],
             "speedup_greedy": spec["greedy"]["speedup"],
             "greedy_identical": spec["greedy_identical"],
             "chi2_p_speculative": spec["chi2_first_two_tokens"]["speculative"]["p_value"],

@@ -186,8 +186,9 @@ def _rl_table() -> dict:
         "engine.score_batch": Int(8, "rows per scoring call, a power of two", lo=1),
         "engine.decode_steps": Int(
             0,
-            "decode steps per device call of plain decoding (a finished row idles at most this - 1); "
-            "0: 8 without a drafter, 1 with one (a speculative step is one call)",
+            "decode steps per device call of plain decoding, or speculative steps with draft='model' (a "
+            "finished row idles at most this - 1); 0: 8 without a drafter or with draft='model', 1 with the "
+            "others (their proposals come from the host: one call per speculative step)",
             lo=0,
         ),
         "engine.scheduler": Choice(

@@ -124,10 +124,11 @@ class Engine(Scheduler):
             raise ValueError(
                 "engine.host_cache_pages must be 0 with a drafter (the host tier moves target pages only)."
             )
-        if draft is not None and e.decode_steps > 1:
+        if draft is not None and not isinstance(draft, ModelDrafter) and e.decode_steps > 1:
             raise ValueError(
-                f"engine.decode_steps={e.decode_steps} must be 1 with a drafter (each speculative step is "
-                "one device call: k drafts and one verification); multi-step calls are for plain decoding."
+                f"engine.decode_steps={e.decode_steps} must be 1 with a {type(draft).__name__} (its "
+                "proposals come from the host or the last step, one device call per speculative step); "
+                "multi-step calls are for plain decoding and a ModelDrafter."
             )
         self.draft = draft
         self._resample_from = "residual"  # "p": the deliberately biased variant, for the tests only
@@ -261,7 +262,12 @@ class Engine(Scheduler):
             active = [(b, s) for b, s in enumerate(self._slots) if s is not None]
             if not active:
                 return []
-            finished = self._spec_step(active) if self.draft is not None else self._decode_step(active)
+            if self._spec_many is not None:
+                finished = self._spec_many_step(active)
+            elif self.draft is not None:
+                finished = self._spec_step(active)
+            else:
+                finished = self._decode_step(active)
             done = self._complete(finished)
             for c in done:
                 if c.request_id in self._waiting:
@@ -413,8 +419,12 @@ class Engine(Scheduler):
             keys = tuple(zeros(rows) for _ in range(4))
             table = zeros(rows, e.pages_per_seq)
             dummy = steps.Rows(zeros(rows), table, zeros(rows), zeros(rows), arrays, keys)
-            if self._decode_many is not None:
-                stop_BS = np.full((rows, e.max_stop_tokens), -1, np.int32)
+            stop_BS = np.full((rows, e.max_stop_tokens), -1, np.int32)
+            if self._spec_many is not None:
+                self.kv, self.draft_kv, *_ = self._spec_many(
+                    self.params, self.draft_params, self.kv, self.draft_kv, dummy, stop_BS, zeros(rows)
+                )
+            elif self._decode_many is not None:
                 self.kv, *_ = self._decode_many(self.params, self.kv, dummy, stop_BS, zeros(rows))
             elif self.draft is None:
                 self.kv, *_ = self._decode(self.params, self.kv, dummy)
@@ -556,6 +566,37 @@ class Engine(Scheduler):
                 finished.append(seq)
         return finished
 
+    def _spec_many_step(self, active) -> list[Seq]:
+        """Up to decode_steps speculative steps per row in one call (`steps.speculative_model_many`): each
+        row reserves pages for the tokens it may still emit plus the num_draft positions a last step writes
+        past them, and gives back those it did not use."""
+        e, k = self.ecfg, self.ecfg.num_draft
+        budget = lambda seq: min(e.decode_steps * (k + 1), seq.params.max_new_tokens - len(seq.tokens))
+        active = self._grow(active, lambda seq: budget(seq) + k)
+        stop_BS = np.full((e.max_batch, e.max_stop_tokens), -1, np.int32)
+        budget_B = np.zeros(e.max_batch, np.int32)
+        for b, seq in active:
+            stop_BS[b, : len(seq.params.stop_tokens)] = seq.params.stop_tokens
+            budget_B[b] = budget(seq)
+        rows = self._rows(active)
+        self.kv, self.draft_kv, *out = self._spec_many(
+            self.params, self.draft_params, self.kv, self.draft_kv, rows, stop_BS, budget_B
+        )
+        tokens, logp, raw, count, accepted, steps_run = self._results(out)
+        self._stats["target_row_forwards"] += int(steps_run.sum())
+        self._stats["spec_steps"] += int(steps_run.max(initial=0))
+        self._stats["spec_calls"] += 1
+        self._stats["proposed_tokens"] += k * int(steps_run.sum())
+        self._stats["accepted_tokens"] += int(accepted.sum())
+        finished = []
+        for b, seq in active:
+            c = int(count[b])
+            if self._emit(seq, tokens[b, :c], logp[b, :c], raw[b, :c]):
+                finished.append(seq)
+            else:  # the unused reserved slots go back
+                self.table.truncate(seq.id, int(rows.start_B[b]) + c)
+        return finished
+
     def _emit(self, seq: Seq, tokens, logps, raws) -> bool:
         """Appends emitted tokens up to a stop token or max_new_tokens; True when the sequence finished (it
         leaves its slot; `_complete` frees its pages)."""
@@ -629,6 +670,7 @@ class Engine(Scheduler):
             else None
         )
         self._score = steps.jitted("score", g, place=place)
+        self._spec_many = None
         self._copy = steps.jitted("copy", place=place)
         self._copy_draft = self._copy_mtp = self._copy
         if place is not None:  # `copy` copies the pages of place.kv
@@ -647,6 +689,17 @@ class Engine(Scheduler):
             self._spec = steps.jitted(
                 "spec_model", g, draft_g, e.num_draft, self._resample_from, place=place, rows=spec_rows
             )
+            if e.decode_steps > 1:
+                self._spec_many = steps.jitted(
+                    "spec_model_many",
+                    g,
+                    draft_g,
+                    e.num_draft,
+                    e.decode_steps,
+                    self._resample_from,
+                    place=place,
+                    rows=spec_rows,
+                )
         elif isinstance(self.draft, MTPDrafter):
             self._prefill_fn = steps.jitted("prefill_mtp", g, place=place)
             self._spec = steps.jitted(

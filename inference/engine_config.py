@@ -37,7 +37,8 @@ class EngineConfig:
     record_routing: bool = False
     # Plain decoding: tokens per device call (a `lax.while_loop` of decode steps with on-device sampling and
     # stop / length checks; the host admits and retires sequences between calls, so a row that finishes
-    # idles at most decode_steps - 1 steps). 1: one step per call. Not used with a drafter.
+    # idles at most decode_steps - 1 steps). 1: one step per call. With a ModelDrafter: speculative steps per
+    # call (`steps.speculative_model_many`); the other drafters take 1 (their proposals come from the host).
     decode_steps: int = 1
     # With decode_steps > 1: the most stop tokens one request may give (the device checks a fixed-width row).
     max_stop_tokens: int = 8

@@ -227,6 +227,108 @@ def speculative_model(
     return (kv, draft_kv, *out)
 
 
+def speculative_model_many(
+    graphdef,
+    draft_graphdef,
+    params,
+    draft_params,
+    kv,
+    draft_kv,
+    rows: Rows,
+    stop_BS,
+    budget_B,
+    *,
+    num_draft: int,
+    num_steps: int,
+    resample_from: str = "residual",
+):
+    """Up to `num_steps` speculative steps (`speculative_model`) per active row in one device call: a
+    `lax.while_loop`, as `decode_many` is for plain decoding.
+
+    Each step of a row runs with the start, pending token and key step (`rows.keys` step + the tokens the row
+    emitted so far in this call) that the host would give a single `speculative_model` call at that point,
+    so the tokens are those of single steps. A step emits the accepted drafts and the target's token, cut
+    after the first token in the row's `stop_BS` row (padded with -1) and at `budget_B` tokens; a row that
+    reached either is fed as inactive (no K/V written) until the loop ends, which it does after num_steps
+    steps or when no row is active. A step writes num_draft + 1 positions from the row's start, so positions
+    start .. start + budget + num_draft - 1 must be reserved. W = num_steps * (num_draft + 1). Returns (kv,
+    draft_kv, tokens_BW, logp_BW, raw_BW, count_B, accepted_B, steps_B): the first count_B entries of each
+    row are its tokens; accepted_B sums the accepted drafts and steps_B counts the steps each row ran."""
+    b, k1 = rows.pending_B.shape[0], num_draft + 1
+    w = num_steps * k1
+    seed_B, request_B, sample_B, step_B = rows.keys
+    j_K1 = jnp.arange(k1, dtype=jnp.int32)
+    row_B1 = jnp.arange(b)[:, None]
+
+    def cond(carry):
+        i, *_, active_B = carry[:5]
+        return (i < num_steps) & jnp.any(active_B > 0)
+
+    def body(carry):
+        i, kv, draft_kv, pending_B, active_B, count_B, accepted_sum_B, steps_B, tokens_BW, logp_BW, raw_BW = (
+            carry
+        )
+        step_rows = rows._replace(
+            pending_B=pending_B,
+            start_B=rows.start_B + count_B,
+            active_B=active_B,
+            keys=(seed_B, request_B, sample_B, step_B + count_B),
+        )
+        kv, draft_kv, accepted_B, out_BK1, logp_BK1, raw_BK1 = speculative_model(
+            graphdef,
+            draft_graphdef,
+            params,
+            draft_params,
+            kv,
+            draft_kv,
+            step_rows,
+            num_draft=num_draft,
+            resample_from=resample_from,
+        )
+        live_B = active_B > 0
+        emitted_BK1 = j_K1[None] <= accepted_B[:, None]
+        stop_BK1 = jnp.any(out_BK1[..., None] == stop_BS[:, None, :], axis=-1) & emitted_BK1
+        first_stop_B = jnp.min(jnp.where(stop_BK1, j_K1[None], k1), axis=1)
+        n_B = jnp.minimum(jnp.minimum(accepted_B + 1, first_stop_B + 1), budget_B - count_B)
+        n_B = jnp.where(live_B, n_B, 0)
+        slot_BK1 = jnp.where(j_K1[None] < n_B[:, None], count_B[:, None] + j_K1[None], w)  # w: dropped
+        put = lambda out_BW, x_BK1: out_BW.at[row_B1, slot_BK1].set(x_BK1, mode="drop")
+        last_B = jnp.take_along_axis(out_BK1, jnp.maximum(n_B - 1, 0)[:, None], axis=1)[:, 0]
+        stopped_B = (first_stop_B < n_B) | (count_B + n_B >= budget_B)
+        return (
+            i + 1,
+            kv,
+            draft_kv,
+            jnp.where(live_B, last_B, pending_B),
+            jnp.where(live_B & ~stopped_B, 1, 0).astype(active_B.dtype),
+            count_B + n_B,
+            accepted_sum_B + jnp.where(live_B, accepted_B, 0),
+            steps_B + live_B.astype(jnp.int32),
+            put(tokens_BW, out_BK1),
+            put(logp_BW, logp_BK1),
+            put(raw_BW, raw_BK1),
+        )
+
+    zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
+    init = (
+        jnp.int32(0),
+        kv,
+        draft_kv,
+        rows.pending_B,
+        rows.active_B,
+        zeros(b),
+        zeros(b),
+        zeros(b),
+        zeros(b, w),
+        zeros(b, w, dtype=jnp.float32),
+        zeros(b, w, dtype=jnp.float32),
+    )
+    _, kv, draft_kv, _, _, count_B, accepted_B, steps_B, tokens_BW, logp_BW, raw_BW = jax.lax.while_loop(
+        cond, body, init
+    )
+    return kv, draft_kv, tokens_BW, logp_BW, raw_BW, count_B, accepted_B, steps_B
+
+
 class MTPCarry(NamedTuple):
     """What the MTP drafter hands from one speculative step to the next, per decode slot: the first draft
     token (the one after the pending token), the processed distribution q it was drawn from, and the MTP
@@ -355,6 +457,10 @@ _SIGNATURES = {
         ("params", "draft_params", "kv", "draft_kv", None),
         ("kv", "draft_kv", None, None, None, None),
     ),
+    "spec_model_many": (
+        ("params", "draft_params", "kv", "draft_kv", None, None, None),
+        ("kv", "draft_kv", None, None, None, None, None, None),
+    ),
     "prefill_mtp": (("params", "kv", "mtp_kv", None, None, None, None, None), ("kv", "mtp_kv")),
     "spec_mtp": (
         ("params", "kv", "mtp_kv", None, None, None),
@@ -381,6 +487,12 @@ def _function(kind: str, static: tuple):
             2,
             3,
         )
+    if kind == "spec_model_many":
+        g, draft_g, k, num_steps, resample_from = static
+        fn = functools.partial(
+            speculative_model_many, g, draft_g, num_draft=k, num_steps=num_steps, resample_from=resample_from
+        )
+        return fn, (2, 3)
     if kind == "prefill_mtp":
         return functools.partial(prefill_mtp, *static), (1, 2)
     if kind == "spec_mtp":

@@ -50,6 +50,29 @@ def _attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None) -> jax
     return out.reshape(b, t, n, v_BSKH.shape[-1])
 
 
+def _attend_gathered(q_BTNH, k_KBSH, v_KBSH, mask_BTS, scale: float | None = None) -> jax.Array:
+    """`_attend` over K/V gathered from pages kv-head-major ([K, B, S, H], as `gather_pages` returns them),
+    with both matmuls in the form XLA:CPU's matmul library takes as they are: scores as K [S, H] x q^T and
+    the output as probs [T * G, S] x V [S, H], so only q and the probabilities (T * G rows each) are
+    transposed, never the gathered K (`_attend`'s q x K^T moves every gathered key to [H, S] first; on
+    the 8-layer target of benchmarks/decode.py's speculative section, 20 rows per verification, those
+    copies took about a fifth of the speculative step). The barrier keeps XLA from folding the
+    probabilities' transpose into the second matmul, which it would then run outside that library."""
+    kv, b, s, h = k_KBSH.shape
+    t, n = q_BTNH.shape[1], q_BTNH.shape[2]
+    scale = h**-0.5 if scale is None else scale
+    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
+    scores_KBSTG = jnp.einsum("kbsh,btkgh->kbstg", k_KBSH, q_BTKGH, preferred_element_type=jnp.float32)
+    if scale != 1.0:
+        scores_KBSTG = scores_KBSTG * scale
+    mask = jnp.swapaxes(mask_BTS, 1, 2)[None, :, :, :, None]
+    scores_KBSTG = jnp.where(mask, scores_KBSTG, MASK_VALUE)
+    probs_KBSTG = jnp.where(mask, jax.nn.softmax(scores_KBSTG, axis=2), 0.0)  # fully masked rows: zeros
+    probs_KBTGS = jax.lax.optimization_barrier(jnp.moveaxis(probs_KBSTG, 2, -1).astype(v_KBSH.dtype))
+    out_KBTGH = jnp.einsum("kbtgs,kbsh->kbtgh", probs_KBTGS, v_KBSH)
+    return jnp.moveaxis(out_KBTGH, 0, 2).reshape(b, t, n, v_KBSH.shape[-1])
+
+
 def self_attention_mask(
     t: int, *, causal: bool, segment_ids_BT: jax.Array | None, q_start: int = 0, q_end: int | None = None
 ) -> jax.Array:
@@ -241,16 +264,14 @@ def paged_cache_attention(
     else:
         m = table_BM.shape[1]
 
-        def rows(pages):  # this layer's pages of each row, gathered straight from the pool: [B, M * Lp, K, H]
-            return jnp.moveaxis(paged_attention.gather_pages(pages, table_BM, rows_K), 0, 3).reshape(
-                b, m * page, kv, pages.shape[-1]
-            )
+        def rows(pages):  # this layer's pages of each row, gathered straight from the pool: [K, B, M * Lp, H]
+            return paged_attention.gather_pages(pages, table_BM, rows_K).reshape(kv, b, m * page, -1)
 
         key_pos_S = jnp.arange(m * page, dtype=jnp.int32)
         mask_BTS = key_pos_S[None, None, :] <= pos_BT[:, :, None]
         k_rows = rows(k_all).astype(q_BTNH.dtype)
         v_rows = k_rows if v_BTKH is None else rows(v_all).astype(q_BTNH.dtype)
-        o_BTNH = _attend(q_BTNH, k_rows, v_rows, mask_BTS, scale)
+        o_BTNH = _attend_gathered(q_BTNH, k_rows, v_rows, mask_BTS, scale)
     return o_BTNH, dict(cache, **pages)
 
 

@@ -122,7 +122,7 @@ def test_errors_name_the_field(target, many):
     from inference.drafters import NgramDrafter
 
     cfg, params = target
-    with pytest.raises(ValueError, match="engine.decode_steps=4 must be 1 with a drafter"):
+    with pytest.raises(ValueError, match="engine.decode_steps=4 must be 1 with a NgramDrafter"):
         Engine(cfg, params, dataclasses.replace(ECFG, decode_steps=4), draft=NgramDrafter(3))
     with pytest.raises(ValueError, match="engine.max_stop_tokens=8"):
         many.generate([[1, 2]], SamplingParams(max_new_tokens=4, stop_tokens=tuple(range(9))))

@@ -168,6 +168,13 @@ def test_config_error_before_any_work(tmp_path):
             train.train(cfg, str(workdir), run_eval=False)
         assert time.perf_counter() - start < 5.0, field  # no SFT, no pool, no compile first
         assert not workdir.exists(), field
+    cfg = _cfg()  # several speculative steps per device call: only the draft model runs them
+    cfg.rl.engine.draft, cfg.rl.engine.decode_steps = "ngram", 4
+    with pytest.raises(
+        ConfigError, match=r"rl\.engine\.decode_steps=4 must be 0 or 1 with rl\.engine\.draft='ngram'"
+    ):
+        train.train(cfg, str(tmp_path / "steps"), run_eval=False)
+    assert not (tmp_path / "steps").exists()
     cfg = _cfg()
     cfg.rl.env.debug = {"delay_mediansecs": 1.0}
     with pytest.raises(ConfigError, match=r"rl\.env\.debug.*delay_mediansecs.*delay_median_s"):
