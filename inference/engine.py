@@ -262,12 +262,7 @@ class Engine(Scheduler):
             active = [(b, s) for b, s in enumerate(self._slots) if s is not None]
             if not active:
                 return []
-            if self._spec_many is not None:
-                finished = self._spec_many_step(active)
-            elif self.draft is not None:
-                finished = self._spec_step(active)
-            else:
-                finished = self._decode_step(active)
+            finished = self._spec_step(active) if self.draft is not None else self._decode_step(active)
             done = self._complete(finished)
             for c in done:
                 if c.request_id in self._waiting:
@@ -506,28 +501,38 @@ class Engine(Scheduler):
         return [seq for b, seq in active if self._emit(seq, [nxt[b]], [logp[b]], [raw[b]])]
 
     def _decode_many_step(self, active) -> list[Seq]:
-        """Up to decode_steps tokens per row in one call (`steps.decode_many`); each row reserves pages for
-        the tokens it may still emit and gives back those it did not use."""
-        e = self.ecfg
-        budget = lambda seq: min(e.decode_steps, seq.params.max_new_tokens - len(seq.tokens))
-        active = self._grow(active, budget)
-        stop_BS = np.full((e.max_batch, e.max_stop_tokens), -1, np.int32)
-        budget_B = np.zeros(e.max_batch, np.int32)
-        for b, seq in active:
-            stop_BS[b, : len(seq.params.stop_tokens)] = seq.params.stop_tokens
-            budget_B[b] = budget(seq)
-        rows = self._rows(active)
+        """Up to decode_steps tokens per row in one call (`steps.decode_many`)."""
+        active, rows, stop_BS, budget_B = self._many_rows(active, self.ecfg.decode_steps, extra=0)
         self.kv, *out = self._decode_many(self.params, self.kv, rows, stop_BS, budget_B)
         tokens, logp, raw, count = self._results(out)
         self._stats["target_row_forwards"] += int(count.sum())
         self._stats["decode_steps"] += int(count.max(initial=0))
         self._stats["decode_calls"] += 1
+        return self._emit_counted(active, rows, tokens, logp, raw, count)
+
+    def _many_rows(self, active, most: int, extra: int):
+        """For a call of several steps: each row reserves pages for the tokens it may still emit (at most
+        `most`, its budget) plus `extra` positions a last step writes past them; returns (the rows still
+        active, their `Rows`, stop_BS padded with -1, budget_B)."""
+        e = self.ecfg
+        budget = lambda seq: min(most, seq.params.max_new_tokens - len(seq.tokens))
+        active = self._grow(active, lambda seq: budget(seq) + extra)
+        stop_BS = np.full((e.max_batch, e.max_stop_tokens), -1, np.int32)
+        budget_B = np.zeros(e.max_batch, np.int32)
+        for b, seq in active:
+            stop_BS[b, : len(seq.params.stop_tokens)] = seq.params.stop_tokens
+            budget_B[b] = budget(seq)
+        return active, self._rows(active), stop_BS, budget_B
+
+    def _emit_counted(self, active, rows: steps.Rows, tokens, logp, raw, count) -> list[Seq]:
+        """Emits the first count[b] tokens of each row of a several-step call; a row that goes on gives back
+        the reserved positions it did not use. Returns the finished sequences."""
         finished = []
         for b, seq in active:
             c = int(count[b])
             if self._emit(seq, tokens[b, :c], logp[b, :c], raw[b, :c]):
                 finished.append(seq)
-            else:  # the unused reserved slots go back
+            else:
                 self.table.truncate(seq.id, int(rows.start_B[b]) + c)
         return finished
 
@@ -537,6 +542,8 @@ class Engine(Scheduler):
         return self.draft.propose(seq.prompt + seq.tokens, k)
 
     def _spec_step(self, active) -> list[Seq]:
+        if self._spec_many is not None:
+            return self._spec_many_step(active)
         k = self.ecfg.num_draft
         active = self._grow(active, k + 1)
         rows = self._rows(active)
@@ -567,18 +574,10 @@ class Engine(Scheduler):
         return finished
 
     def _spec_many_step(self, active) -> list[Seq]:
-        """Up to decode_steps speculative steps per row in one call (`steps.speculative_model_many`): each
-        row reserves pages for the tokens it may still emit plus the num_draft positions a last step writes
-        past them, and gives back those it did not use."""
-        e, k = self.ecfg, self.ecfg.num_draft
-        budget = lambda seq: min(e.decode_steps * (k + 1), seq.params.max_new_tokens - len(seq.tokens))
-        active = self._grow(active, lambda seq: budget(seq) + k)
-        stop_BS = np.full((e.max_batch, e.max_stop_tokens), -1, np.int32)
-        budget_B = np.zeros(e.max_batch, np.int32)
-        for b, seq in active:
-            stop_BS[b, : len(seq.params.stop_tokens)] = seq.params.stop_tokens
-            budget_B[b] = budget(seq)
-        rows = self._rows(active)
+        """Up to decode_steps speculative steps per row in one call (`steps.speculative_model_many`); a step
+        writes num_draft positions past the last token it may emit, so those are reserved too."""
+        k = self.ecfg.num_draft
+        active, rows, stop_BS, budget_B = self._many_rows(active, self.ecfg.decode_steps * (k + 1), extra=k)
         self.kv, self.draft_kv, *out = self._spec_many(
             self.params, self.draft_params, self.kv, self.draft_kv, rows, stop_BS, budget_B
         )
@@ -588,14 +587,7 @@ class Engine(Scheduler):
         self._stats["spec_calls"] += 1
         self._stats["proposed_tokens"] += k * int(steps_run.sum())
         self._stats["accepted_tokens"] += int(accepted.sum())
-        finished = []
-        for b, seq in active:
-            c = int(count[b])
-            if self._emit(seq, tokens[b, :c], logp[b, :c], raw[b, :c]):
-                finished.append(seq)
-            else:  # the unused reserved slots go back
-                self.table.truncate(seq.id, int(rows.start_B[b]) + c)
-        return finished
+        return self._emit_counted(active, rows, tokens, logp, raw, count)
 
     def _emit(self, seq: Seq, tokens, logps, raws) -> bool:
         """Appends emitted tokens up to a stop token or max_new_tokens; True when the sequence finished (it

@@ -102,6 +102,18 @@ def decode(graphdef, params, kv, rows: Rows):
     return kv, next_B, logp_B, sampling.raw_logprobs(logits_BV, next_B)
 
 
+def _advanced(rows: Rows, pending_B, active_B, by) -> Rows:
+    """`rows` as a single-step call would get them `by` tokens later (a scalar or per row): the pending
+    token and active flags given, the starts and the keys' step moved on by `by`."""
+    seed_B, request_B, sample_B, step_B = rows.keys
+    return rows._replace(
+        pending_B=pending_B,
+        start_B=rows.start_B + by,
+        active_B=active_B,
+        keys=(seed_B, request_B, sample_B, step_B + by),
+    )
+
+
 def decode_many(graphdef, params, kv, rows: Rows, stop_BS, budget_B, *, num_steps: int):
     """Up to `num_steps` tokens per active row in one device call: a `lax.while_loop` of `decode` steps.
 
@@ -112,7 +124,6 @@ def decode_many(graphdef, params, kv, rows: Rows, stop_BS, budget_B, *, num_step
     positions start .. start + budget - 1 must be reserved. N = num_steps. Returns (kv, tokens_BN,
     logp_BN, raw_BN, count_B): the first count_B entries of each row are its tokens."""
     b, n = rows.pending_B.shape[0], num_steps
-    seed_B, request_B, sample_B, step_B = rows.keys
 
     def cond(carry):
         i, _, _, active_B, *_ = carry
@@ -120,13 +131,7 @@ def decode_many(graphdef, params, kv, rows: Rows, stop_BS, budget_B, *, num_step
 
     def body(carry):
         i, kv, pending_B, active_B, tokens_BN, logp_BN, raw_BN, count_B = carry
-        step_rows = rows._replace(
-            pending_B=pending_B,
-            start_B=rows.start_B + i,
-            active_B=active_B,
-            keys=(seed_B, request_B, sample_B, step_B + i),
-        )
-        kv, next_B, logp_B, raw_B = decode(graphdef, params, kv, step_rows)
+        kv, next_B, logp_B, raw_B = decode(graphdef, params, kv, _advanced(rows, pending_B, active_B, i))
         live_B = active_B > 0
         put = lambda out_BN, x_B: jax.lax.dynamic_update_slice_in_dim(
             out_BN, jnp.where(live_B, x_B, jnp.zeros_like(x_B))[:, None], i, axis=1
@@ -256,7 +261,6 @@ def speculative_model_many(
     row are its tokens; accepted_B sums the accepted drafts and steps_B counts the steps each row ran."""
     b, k1 = rows.pending_B.shape[0], num_draft + 1
     w = num_steps * k1
-    seed_B, request_B, sample_B, step_B = rows.keys
     j_K1 = jnp.arange(k1, dtype=jnp.int32)
     row_B1 = jnp.arange(b)[:, None]
 
@@ -268,12 +272,6 @@ def speculative_model_many(
         i, kv, draft_kv, pending_B, active_B, count_B, accepted_sum_B, steps_B, tokens_BW, logp_BW, raw_BW = (
             carry
         )
-        step_rows = rows._replace(
-            pending_B=pending_B,
-            start_B=rows.start_B + count_B,
-            active_B=active_B,
-            keys=(seed_B, request_B, sample_B, step_B + count_B),
-        )
         kv, draft_kv, accepted_B, out_BK1, logp_BK1, raw_BK1 = speculative_model(
             graphdef,
             draft_graphdef,
@@ -281,7 +279,7 @@ def speculative_model_many(
             draft_params,
             kv,
             draft_kv,
-            step_rows,
+            _advanced(rows, pending_B, active_B, count_B),
             num_draft=num_draft,
             resample_from=resample_from,
         )

@@ -56,7 +56,7 @@ def _attend_gathered(q_BTNH, k_KBSH, v_KBSH, mask_BTS, scale: float | None = Non
     the output as probs [T * G, S] x V [S, H], so only q and the probabilities (T * G rows each) are
     transposed, never the gathered K (`_attend`'s q x K^T moves every gathered key to [H, S] first; on
     the 8-layer target of benchmarks/decode.py's speculative section, 20 rows per verification, those
-    copies took about a fifth of the speculative step). The barrier keeps XLA from folding the
+    copies were ~13% of the speculative step's XLA op time). The barrier keeps XLA from folding the
     probabilities' transpose into the second matmul, which it would then run outside that library."""
     kv, b, s, h = k_KBSH.shape
     t, n = q_BTNH.shape[1], q_BTNH.shape[2]

@@ -16,6 +16,7 @@ import ml_collections
 from model.config import ConfigError
 
 DECODE_STEPS = 8  # rl.engine.decode_steps=0 without a drafter or with draft="model": steps per device call
+MANY_STEP_DRAFTS = ("none", "model")  # rl.engine.draft values whose engine runs several steps per call
 ENGINE_EXTRAS = ("draft", "draft_ngram")  # rl.engine fields the main job reads; the rest are EngineConfig's
 
 
@@ -38,7 +39,7 @@ def engine_config(cfg: ml_collections.ConfigDict):
     fields = {k: v for k, v in cfg.rl.engine.items() if k not in ENGINE_EXTRAS}
     fields["max_seq_len"] = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
     if not fields.get("decode_steps"):
-        fields["decode_steps"] = DECODE_STEPS if cfg.rl.engine.draft in ("none", "model") else 1
+        fields["decode_steps"] = DECODE_STEPS if cfg.rl.engine.draft in MANY_STEP_DRAFTS else 1
     if cfg.rl.routing_replay:
         fields["record_routing"] = True
     try:
@@ -225,7 +226,7 @@ def _check_engine(cfg) -> None:
     e = rl.engine
     engine_config(cfg)
     _check(
-        e.draft in ("none", "model") or e.decode_steps in (0, 1),
+        e.draft in MANY_STEP_DRAFTS or e.decode_steps in (0, 1),
         "engine.decode_steps",
         e.decode_steps,
         f"must be 0 or 1 with rl.engine.draft={e.draft!r} (its proposals come from the host or the last step:"

@@ -1,4 +1,5 @@
-"""Helpers shared by the engine tests: random prompts and the check that an engine gave back every page."""
+"""Helpers shared by the engine tests: random prompts, the check that an engine gave back every page, and the
+comparison of two engines' completions."""
 
 import numpy as np
 
@@ -13,3 +14,13 @@ def check_released(eng) -> None:
     assert not eng.has_work()
     eng.table.check()
     assert eng.pool.num_free + len(list(eng.prefix.held_pages())) == eng.pool.num_pages - 1
+
+
+def same_completions(a, b) -> None:
+    """The same completions in the same order: tokens and finish reasons equal, log-probs to f32 rounding."""
+    assert [(c.prompt_index, c.sample_index) for c in a] == [(c.prompt_index, c.sample_index) for c in b]
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+        assert x.finish_reason == y.finish_reason
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+        np.testing.assert_allclose(x.raw_logprobs, y.raw_logprobs, atol=1e-5)

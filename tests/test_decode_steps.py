@@ -8,10 +8,10 @@ reserved for a call and not used go back, and nothing compiles after warmup.
 
 import dataclasses
 
-import numpy as np
 import pytest
 from engine_checks import check_released as _check_released
 from engine_checks import prompts as _prompts
+from engine_checks import same_completions as _same
 from flax import nnx
 
 import model
@@ -45,15 +45,6 @@ def single(target):
 @pytest.fixture(scope="module")
 def many(target):
     return _engine(target, decode_steps=8)
-
-
-def _same(a, b):
-    assert [(c.prompt_index, c.sample_index) for c in a] == [(c.prompt_index, c.sample_index) for c in b]
-    for x, y in zip(a, b):
-        assert x.tokens == y.tokens
-        assert x.finish_reason == y.finish_reason
-        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-        np.testing.assert_allclose(x.raw_logprobs, y.raw_logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

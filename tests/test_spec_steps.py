@@ -12,10 +12,10 @@ the target's, so some drafts are accepted and some are not (both paths of the ve
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 from engine_checks import check_released as _check_released
 from engine_checks import prompts as _prompts
+from engine_checks import same_completions as _same
 from flax import nnx
 
 import model
@@ -67,15 +67,6 @@ def _run(eng, prompts, sampling):
     out = eng.generate(prompts, sampling)
     after = eng.stats()
     return out, {k: after.get(k, 0) - before.get(k, 0) for k in (*COUNTS, "spec_steps", "spec_calls")}
-
-
-def _same(a, b):
-    assert [(c.prompt_index, c.sample_index) for c in a] == [(c.prompt_index, c.sample_index) for c in b]
-    for x, y in zip(a, b):
-        assert x.tokens == y.tokens
-        assert x.finish_reason == y.finish_reason
-        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-        np.testing.assert_allclose(x.raw_logprobs, y.raw_logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
