@@ -1,7 +1,18 @@
-"""Helpers shared by the engine tests: random prompts, the check that an engine gave back every page, and the
-comparison of two engines' completions."""
+"""Helpers shared by the engine tests: a warmed-up engine, random prompts, the check that an engine gave back
+every page, and the comparison of two engines' completions."""
+
+import dataclasses
 
 import numpy as np
+
+
+def warm_engine(cfg, params, ecfg, draft=None, **fields):
+    """An `Engine` on `ecfg` with `fields` replaced, warmed up (everything it runs compiled)."""
+    from inference.engine import Engine
+
+    eng = Engine(cfg, params, dataclasses.replace(ecfg, **fields), draft=draft)
+    eng.warmup()
+    return eng
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:

@@ -12,6 +12,7 @@ import pytest
 from engine_checks import check_released as _check_released
 from engine_checks import prompts as _prompts
 from engine_checks import same_completions as _same
+from engine_checks import warm_engine
 from flax import nnx
 
 import model
@@ -31,10 +32,7 @@ def target():
 
 
 def _engine(target, **fields):
-    cfg, params = target
-    eng = Engine(cfg, params, dataclasses.replace(ECFG, **fields))
-    eng.warmup()
-    return eng
+    return warm_engine(*target, ECFG, **fields)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 from engine_checks import check_released as _check_released
 from engine_checks import prompts as _prompts
 from engine_checks import same_completions as _same
+from engine_checks import warm_engine
 from flax import nnx
 
 import model
@@ -47,9 +48,7 @@ def pair():
 
 def _engine(pair, **fields):
     cfg, params, draft_params = pair
-    eng = Engine(cfg, params, dataclasses.replace(ECFG, **fields), draft=ModelDrafter(cfg, draft_params))
-    eng.warmup()
-    return eng
+    return warm_engine(cfg, params, ECFG, draft=ModelDrafter(cfg, draft_params), **fields)
 
 
 @pytest.fixture(scope="module")
