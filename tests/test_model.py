@@ -24,6 +24,14 @@ def _cfg(arg=""):
     return tiny.get_config(arg)
 
 
+def _jitted(m):
+    """`m`'s forward under jit. Called op by op, a model compiles each operation on its own the first time
+    (seconds per test on XLA:CPU); test_shapes_and_finite calls it that way."""
+    graphdef, state = nnx.split(m)
+    run = jax.jit(lambda state, args, kw: nnx.merge(graphdef, state)(*args, **kw))
+    return lambda *args, **kw: run(state, args, kw)
+
+
 @pytest.mark.parametrize("arg", ["", "capacity", "dense"])
 def test_shapes_and_finite(arg):
     cfg = _cfg(arg)
@@ -60,14 +68,14 @@ def test_causal(arg, monkeypatch):
         logits, _ = m(toks)
         return jnp.sum(logits[:, t0] * jnp.cos(jnp.arange(logits.shape[-1]))[None, :])
 
-    g_BTD = jax.grad(f)(jnp.zeros((2, 12, cfg.model.d_model)))
+    g_BTD = jax.jit(jax.grad(f))(jnp.zeros((2, 12, cfg.model.d_model)))
     per_pos = jnp.abs(g_BTD).sum(axis=(0, 2))
     assert float(per_pos[t0 + 1 :].max()) == 0.0
     assert float(per_pos[: t0 + 1].min()) > 0.0
 
 
 def test_segment_ids_isolate_packed_sequences():
-    m = model.build(_cfg())
+    m = _jitted(model.build(_cfg()))
     a, b = _tokens(1, 6, seed=1), _tokens(1, 6, seed=2)
     packed = jnp.concatenate([a, b], axis=1)
     seg = jnp.array([[1] * 6 + [2] * 6])
@@ -92,7 +100,7 @@ def test_scan_and_list_hold_the_same_model():
             jax.tree.leaves(layer_i), jax.tree.leaves(_params(m_list)["moe_layers"]["blocks"][i])
         )
     toks = _tokens()
-    np.testing.assert_allclose(m_scan(toks)[0], m_list(toks)[0], atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(_jitted(m_scan)(toks)[0], _jitted(m_list)(toks)[0], atol=ATOL, rtol=RTOL)
 
 
 def _grads(m, toks):
@@ -172,8 +180,9 @@ def test_kv_cache_decode_equals_full_forward(arg):
     cfg.model.moe.capacity_factor = 2.0  # per-sequence capacity: no drops with T=1 or T=12
     m = model.build(cfg)
     toks = _tokens()
-    full, _ = m(toks)
     cache = m.init_cache(batch=2, max_len=16, dtype=jnp.float32)
+    m = _jitted(m)
+    full, _ = m(toks)
     logits, aux = m(toks[:, :5], kv_cache=cache)
     outs = [logits]
     cache = aux["kv_cache"]
