@@ -37,7 +37,7 @@ def test_query_blocked_equals_reference(t, segments):
             o = fn(q, k, v, causal=True, segment_ids=seg)
             return jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)), o
 
-        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     (_, o_ref), g_ref = run(attention.reference_attention)
     (_, o_blk), g_blk = run(attention.query_blocked_attention)
