@@ -40,7 +40,7 @@ def _loss_and_grads(block, x, **kw):
         w = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
         return jnp.sum(y * w) + aux["load_balance_loss"] + aux["router_z_loss"], (y, aux)
 
-    (loss, (y, aux)), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(state, x)
+    (loss, (y, aux)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(state, x)
     return y, aux, grads
 
 
@@ -116,9 +116,9 @@ def test_router_gradients_flow(router, renormalize):
         _, aux = nnx.merge(graphdef, state)(x)
         return aux[key]
 
-    g_out = jax.grad(output_only)(state)["router"][...]
-    g_lb = jax.grad(aux_only)(state, "load_balance_loss")["router"][...]
-    g_z = jax.grad(aux_only)(state, "router_z_loss")["router"][...]
+    g_out = jax.jit(jax.grad(output_only))(state)["router"][...]
+    g_lb = jax.jit(jax.grad(aux_only), static_argnums=1)(state, "load_balance_loss")["router"][...]
+    g_z = jax.jit(jax.grad(aux_only), static_argnums=1)(state, "router_z_loss")["router"][...]
     for g in (g_out, g_lb, g_z):
         chex.assert_tree_all_finite(g)
         assert float(jnp.abs(g).max()) > 1e-6
@@ -203,7 +203,7 @@ def test_cpu_grouped_kernel_equals_ragged_dot(t, k, e):
             y = moe.ragged_dispatch(x, idx, w, gate, up, down, use_ragged_dot=use_ragged_dot)
             return jnp.sum(jnp.sin(y)), y
 
-        return jax.value_and_grad(f_, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, w, gate, up, down)
+        return jax.jit(jax.value_and_grad(f_, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, w, gate, up, down)
 
     (_, y_a), g_a = run(True)
     (_, y_b), g_b = run(False)
@@ -256,7 +256,7 @@ def _out_and_grads(fn, x, idx, w, gate, up, down):
         y = fn(x, idx, w, gate, up, down)
         return jnp.sum(jnp.sin(y)), y
 
-    return jax.value_and_grad(f_, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, w, gate, up, down)
+    return jax.jit(jax.value_and_grad(f_, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, w, gate, up, down)
 
 
 @pytest.mark.parametrize("use_ragged_dot", [False, True])
