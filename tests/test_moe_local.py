@@ -32,7 +32,9 @@ def test_local_dispatch_equals_global(shape):
         y = moe_local.local_ragged(x, idx, w, gate, up, down, DEFAULT_RULES)
         return jnp.sum(jnp.sin(y)), y
 
-    (l0, y0), g0 = jax.value_and_grad(global_loss, argnums=(0, 1, 2, 3), has_aux=True)(x, gate, up, down)
+    (l0, y0), g0 = jax.jit(jax.value_and_grad(global_loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        x, gate, up, down
+    )
     with jax.set_mesh(mesh):
         (l1, y1), g1 = jax.jit(jax.value_and_grad(local_loss, argnums=(0, 1, 2, 3), has_aux=True))(
             x, gate, up, down
