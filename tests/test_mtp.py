@@ -5,6 +5,7 @@ the checkpoint round-trips bit-exactly; `mtp_loss` against a hand-computed value
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,9 +108,17 @@ def test_mtp_module_matches_hand_reference(checkpoint):
     assert cfg.model.mtp_layers == 1 and cfg.model.num_layers == LAYERS
     toks = np.random.RandomState(1).randint(0, VOCAB, (2, 12))
     want_main, want_mtp = _reference(net, extra, toks)
-    logits, aux = m(jnp.asarray(toks))
+    graphdef, state = nnx.split(m)
+
+    @jax.jit  # op by op, the model compiles each operation on its own (~280 programs here)
+    def run(state, tokens):
+        net = nnx.merge(graphdef, state)
+        logits, aux = net(tokens)
+        return logits, net.mtp_logits(aux["hidden"], tokens)
+
+    logits, got = run(state, jnp.asarray(toks))
     np.testing.assert_allclose(np.asarray(logits), want_main, atol=LOGIT_ATOL, rtol=0)
-    got = np.asarray(m.mtp_logits(aux["hidden"], jnp.asarray(toks)))
+    got = np.asarray(got)
     assert got.shape == (1, 2, 12, VOCAB)
     # The last position reads a padding token (its target, token i + 2, does not exist anyway).
     np.testing.assert_allclose(got[0, :, :-1], want_mtp[:, :-1], atol=LOGIT_ATOL, rtol=0)
