@@ -6,8 +6,9 @@ starts from exactly its weights, biases and tokenizer (the step-0 cross-entropy 
 batch, the MTP loss module 1's by hand around transformers' decoder layer), GRPO steps update it on the MLA
 engine, a restart restores the run's own checkpoint without reading rl.init_from, and transformers' logits
 of the exported directory are our model's of the final state. The run's model is the checkpoint's but for
-the runtime fields (an unscanned layout gives transformers' logits too). Bad rl.init_from /
-rl.sft.mtp_weight values are refused before any work.
+the runtime fields (an unscanned layout gives transformers' logits too). The rollout drafts with the
+checkpoint's MTP module (rl.engine.draft="mtp"), the main-job test of that drafter in the default run.
+Bad rl.init_from / rl.sft.mtp_weight values are refused before any work.
 """
 
 import json
@@ -159,6 +160,7 @@ def _cfg(checkpoint_dir):
     # GRPO steps have groups with a reward signal (found by trying; at the test config's 3e-3 none has).
     cfg.rl.sft.steps, cfg.rl.sft.optim.lr = 4, 3e-2
     cfg.rl.steps, cfg.rl.checkpoint_every = 2, 2
+    cfg.rl.engine.draft = "mtp"  # the rollout drafts with the checkpoint's MTP module, on the MLA engine
     return cfg
 
 
@@ -173,6 +175,7 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
     workdir = tmp_path / "run"
     out = train.train(_cfg(path), str(workdir), run_eval=False)
     assert out["steps"] == 2 and out["engine"]["compiles_after_warmup"] == 0
+    assert out["engine"]["accepted_tokens"] > 0, out["engine"]  # the MTP drafts were verified and taken
 
     run_cfg = evaluate.load_run_config(str(workdir))  # what rl.train ran with
     assert run_cfg.model.attention_kind == "mla" and run_cfg.model.mtp_layers == 1
@@ -195,6 +198,7 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
     grpo_records = [r for r in records if "train/loss" in r or "train/skipped" in r]
     assert [r["step"] for r in grpo_records] == [1, 2]
     assert any("train/loss" in r for r in grpo_records)  # an update, not only groups without a signal
+    assert any("engine/acceptance_rate" in r for r in records)  # the drafter's acceptance is logged
 
     # A restart finds the run's checkpoints: it restores them and never reads rl.init_from's weights.
     def refuse(*args, **kwargs):

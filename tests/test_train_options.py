@@ -126,7 +126,10 @@ def test_routing_replay_with_group_drafter(tmp_path):
     assert max(r["engine/tokens_per_target_forward"] for r in steps) > 1.0
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model", "mtp"])
+# The MTP drafter's main-job run compiles every program anew for the model with an MTP module (~44 s of a
+# loaded suite); tests/test_hf_main_job.py's DeepSeek run drafts with its checkpoint's MTP module in the
+# default run (accepted drafts, the acceptance logged), and tests/test_mtp_drafter.py checks the drafter.
+@pytest.mark.parametrize("draft", ["ngram", "model", pytest.param("mtp", marks=pytest.mark.slow)])
 def test_drafters_in_the_rollout(tmp_path, draft):
     from rl import train
 
