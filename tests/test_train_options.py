@@ -2,7 +2,8 @@
 metric that shows the option acts is checked, not only that nothing crashed.
 
 To keep the suite within its time budget, options that do not interact share a run (PPO updates, KL to the
-reference, top-k/top-p, an environment kwarg; routing replay with the group drafter); each assertion names
+reference, top-k/top-p, an environment kwarg; routing replay with the group drafter; gradient projection
+with the model drafter); each assertion names
 the option it checks. Every run is 3 GRPO steps on the tiny model after a 10-step warm start.
 """
 
@@ -70,14 +71,20 @@ def test_ppo_epochs_kl_top_k_and_env_kwargs(tmp_path):
     assert episodes and all(e["metadata"]["delay_s"] > 0 for e in episodes)
 
 
-def test_gradient_projection_between_domains(tmp_path):
+def test_gradient_projection_between_domains_with_the_model_drafter(tmp_path):
     """rl.gradient_projection: rows carry their domain to the step, which reports the projection of every
-    step (the arithmetic of the projection is checked in tests/test_projection.py)."""
+    step (the arithmetic of the projection is checked in tests/test_projection.py). The same run drafts with
+    a draft model (rl.engine.draft="model"), distilled from the policy after each update."""
     from rl import train
 
     cfg = _cfg(steps=2, checkpoint_every=2, domains=("debug", "arith"), gradient_projection=True)
+    cfg.rl.engine.draft = "model"
     out = train.train(cfg, str(tmp_path), run_eval=False)
     assert out["steps"] == 2 and out["engine"]["compiles_after_warmup"] == 0
+    # The model drafter: its drafts are taken, and it is kept in step with the policy (distillation).
+    assert out["engine"]["accepted_tokens"] > 0, out["engine"]
+    assert "engine/acceptance_rate" in _steps(tmp_path)[-1]
+    assert all(np.isfinite(r["draft/cross_entropy"]) for r in _steps(tmp_path))
     steps = [r for r in _steps(tmp_path) if r["train/loss"] is not None]
     assert steps
     for r in steps:
@@ -126,10 +133,11 @@ def test_routing_replay_with_group_drafter(tmp_path):
     assert max(r["engine/tokens_per_target_forward"] for r in steps) > 1.0
 
 
-# The MTP drafter's main-job run compiles every program anew for the model with an MTP module (~44 s of a
+# The model drafter runs in test_gradient_projection_between_domains_with_the_model_drafter. The MTP
+# drafter's main-job run compiles every program anew for the model with an MTP module (~44 s of a
 # loaded suite); tests/test_hf_main_job.py's DeepSeek run drafts with its checkpoint's MTP module in the
 # default run (accepted drafts, the acceptance logged), and tests/test_mtp_drafter.py checks the drafter.
-@pytest.mark.parametrize("draft", ["ngram", "model", pytest.param("mtp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("draft", ["ngram", pytest.param("mtp", marks=pytest.mark.slow)])
 def test_drafters_in_the_rollout(tmp_path, draft):
     from rl import train
 
@@ -142,8 +150,6 @@ def test_drafters_in_the_rollout(tmp_path, draft):
     steps = _steps(tmp_path)
     assert out["engine"]["accepted_tokens"] > 0, out["engine"]
     assert "engine/acceptance_rate" in steps[-1]
-    if draft == "model":  # kept in step with the policy: distillation after each update
-        assert all(np.isfinite(r["draft/cross_entropy"]) for r in steps)
 
 
 def test_config_error_before_any_work(tmp_path):
