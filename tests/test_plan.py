@@ -19,7 +19,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _real_param_count(cfg) -> int:
-    params = nnx.state(model.build(cfg), nnx.Param)
+    """The built model's parameter count, from its shapes (traced, not initialized: small's 95M parameters
+    took 14 s to draw op by op)."""
+    params = nnx.state(nnx.eval_shape(lambda: model.build(cfg)), nnx.Param)
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 

@@ -3,7 +3,8 @@ metric that shows the option acts is checked, not only that nothing crashed.
 
 To keep the suite within its time budget, options that do not interact share a run (PPO updates, KL to the
 reference, top-k/top-p, an environment kwarg; routing replay with the group drafter; gradient projection
-with the model drafter); each assertion names the option it checks. Every run is 3 GRPO steps on the tiny model after a 10-step warm start.
+with the model drafter); each assertion names the option it checks. Every run is 3 GRPO steps on the tiny
+model after a 10-step warm start.
 """
 
 import json
