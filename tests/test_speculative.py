@@ -109,13 +109,18 @@ def test_first_two_tokens_match_target_and_biased_variant_fails():
         assert (joint_stat < joint_critical) == should_pass, (resample_from, joint_stat, joint_critical)
 
 
+# Under jit, as the engine runs it: op by op, each of its ~100 operations compiles on its own per shape.
+_verify = jax.jit(verify, static_argnames=("_resample_from",))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
 def _fixed_round(key, p_V, q_V, n, num_k):
     """Position-independent p and q: every draft token from q, every target position p."""
     key_draft, key_verify = jax.random.split(key)
     draft_BK = jax.random.categorical(key_draft, q_V, shape=(n, num_k)).astype(jnp.int32)
     q_BKV = jnp.broadcast_to(q_V[None, None], (n, num_k, V))
     p_BK1V = jnp.broadcast_to(p_V[None, None], (n, num_k + 1, V))
-    return draft_BK, p_BK1V, verify(key_verify, draft_BK, q_BKV, p_BK1V)
+    return draft_BK, p_BK1V, _verify(key_verify, draft_BK, q_BKV, p_BK1V)
 
 
 def test_q_equal_p_accepts_every_draft_token():
@@ -174,7 +179,7 @@ def test_greedy_accepts_iff_draft_is_target_argmax():
     p_BK1V = processed_logprobs(target_logits_BK1V.reshape(-1, V), greedy).reshape(batch, num_k + 1, V)
     q_BKV = processed_logprobs(draft_logits_BKV.reshape(-1, V), _rows(greedy, batch * num_k))
     q_BKV = q_BKV.reshape(batch, num_k, V)
-    accepted_B, tokens_BK1, logp_BK1 = verify(jax.random.key(5), draft_BK, q_BKV, p_BK1V)
+    accepted_B, tokens_BK1, logp_BK1 = _verify(jax.random.key(5), draft_BK, q_BKV, p_BK1V)
     expected_accepted_B = np.argmin(np.concatenate([np.asarray(agree_BK), np.zeros((batch, 1), bool)], 1), 1)
     np.testing.assert_array_equal(np.asarray(accepted_B), expected_accepted_B)
     rows = np.arange(batch)
@@ -196,7 +201,7 @@ def test_ragged_num_draft():
     num_draft_B = jnp.asarray([0, 1, 2, 3, 4, 2], jnp.int32)
     q_BKV = jnp.broadcast_to(p_V[None, None], (batch, num_k, V))
     p_BK1V = jnp.broadcast_to(p_V[None, None], (batch, num_k + 1, V))
-    accepted_B, tokens_BK1, logp_BK1 = verify(jax.random.key(7), draft_BK, q_BKV, p_BK1V, num_draft_B)
+    accepted_B, tokens_BK1, logp_BK1 = _verify(jax.random.key(7), draft_BK, q_BKV, p_BK1V, num_draft_B)
     np.testing.assert_array_equal(np.asarray(accepted_B), np.asarray(num_draft_B))
     for row, count in enumerate(np.asarray(num_draft_B)):
         np.testing.assert_array_equal(np.asarray(tokens_BK1[row, :count]), np.asarray(draft_BK[row, :count]))
