@@ -132,8 +132,10 @@ def test_one_domain_batch_is_the_plain_step():
 
 def test_a_domain_without_rows_gets_no_gradient_on_the_demo_model():
     """The demo's MoE model at the demo's batch shape (128 rows x 52 positions, 8 rows of one domain as after
-    the filters): the other domain's gradient is exactly 0 and the step is the plain step. A vmap over the
-    per-domain cotangents failed this (a gradient of norm 0.28 for the domain without rows)."""
+    the filters): the other domain's gradient is exactly 0, so their cosine is exactly 0 (cosine_DD: 0 only
+    where a gradient is zero) and nothing is projected. A vmap over the per-domain cotangents failed this (a
+    gradient of norm 0.28 for the domain without rows). That such a step is the plain step is
+    test_one_domain_batch_is_the_plain_step's check (the plain step at this size would double the compile)."""
     cfg = grpo_config.get_config("demo")
     cfg.rl.domains = ("math", "strings")
     b, t = 128, 52
@@ -149,12 +151,11 @@ def test_a_domain_without_rows_gets_no_gradient_on_the_demo_model():
         "behaviour_logp_BT": (-3.0 * mask_BT).astype(np.float32),
         "domain_B": np.where(np.arange(b) < 8, 0, -1).astype(np.int32),
     }
-    plain, plain_m = ts.make_train_step(cfg, model_def)(_copy(state0), batch)
     cfg.rl.gradient_projection = True
     projected, m = ts.make_train_step(cfg, model_def)(_copy(state0), batch)
-    np.testing.assert_allclose(m["grad_norm"], plain_m["grad_norm"], rtol=1e-5)
+    assert float(m["grad_norm"]) > 0 and _max_diff(state0.params, projected.params) > 0
     assert float(m["projection/cosine/math|strings"]) == 0.0
-    assert _max_diff(plain.params, projected.params) < ATOL
+    assert float(m["projection/conflicts"]) == 0.0 and float(m["projection/kept"]) == 1.0
 
 
 def test_exactly_conflicting_domains_cancel():
