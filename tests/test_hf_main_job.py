@@ -147,6 +147,12 @@ def _hand_mtp_loss(net, extra, batch) -> float:
     return _masked_ce(logits, batch, 2)
 
 
+def _logits(model_def, state, toks):
+    """Our model's logits of `toks` for a train state, under jit (not op by op)."""
+    forward = jax.jit(lambda params, rest, t: model_def.merge(params, rest)(t)[0])
+    return np.asarray(forward(state.params, state.model_state, jnp.asarray(toks)))
+
+
 def _records(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -230,12 +236,10 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
     assert not np.array_equal(tensors["lm_head.weight"], original["lm_head.weight"])
 
     model_def, _ = train_step.init_state(run_cfg, seed=run_cfg.rl.seed)
-    final = jax.jit(lambda params, rest, t: model_def.merge(params, rest)(t)[0])  # not op by op
     toks = np.random.RandomState(1).randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         want = _hf_model(exported)(torch.tensor(toks)).logits.numpy()
-    got = final(state.params, state.model_state, jnp.asarray(toks))
-    np.testing.assert_allclose(np.asarray(got), want, atol=LOGIT_ATOL, rtol=0)
+    np.testing.assert_allclose(_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_init_from_takes_the_checkpoints_model_but_the_runtime_fields(checkpoint):
@@ -262,9 +266,7 @@ def test_init_from_takes_the_checkpoints_model_but_the_runtime_fields(checkpoint
     toks = np.random.RandomState(2).randint(0, VOCAB, (2, 10))
     with torch.no_grad():
         want = _hf_model(path)(torch.tensor(toks)).logits.numpy()
-    forward = jax.jit(lambda params, rest, t: model_def.merge(params, rest)(t)[0])
-    got = forward(state.params, state.model_state, jnp.asarray(toks))
-    np.testing.assert_allclose(np.asarray(got), want, atol=LOGIT_ATOL, rtol=0)
+    np.testing.assert_allclose(_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_bad_init_from_and_mtp_weight_are_refused_before_any_work(tmp_path):

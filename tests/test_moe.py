@@ -116,9 +116,10 @@ def test_router_gradients_flow(router, renormalize):
         _, aux = nnx.merge(graphdef, state)(x)
         return aux[key]
 
+    grad_aux = jax.jit(jax.grad(aux_only), static_argnums=1)
     g_out = jax.jit(jax.grad(output_only))(state)["router"][...]
-    g_lb = jax.jit(jax.grad(aux_only), static_argnums=1)(state, "load_balance_loss")["router"][...]
-    g_z = jax.jit(jax.grad(aux_only), static_argnums=1)(state, "router_z_loss")["router"][...]
+    g_lb = grad_aux(state, "load_balance_loss")["router"][...]
+    g_z = grad_aux(state, "router_z_loss")["router"][...]
     for g in (g_out, g_lb, g_z):
         chex.assert_tree_all_finite(g)
         assert float(jnp.abs(g).max()) > 1e-6

@@ -81,11 +81,12 @@ def test_gradient_projection_between_domains_with_the_model_drafter(tmp_path):
     cfg.rl.engine.draft = "model"
     out = train.train(cfg, str(tmp_path), run_eval=False)
     assert out["steps"] == 2 and out["engine"]["compiles_after_warmup"] == 0
+    records = _steps(tmp_path)
     # The model drafter: its drafts are taken, and it is kept in step with the policy (distillation).
     assert out["engine"]["accepted_tokens"] > 0, out["engine"]
-    assert "engine/acceptance_rate" in _steps(tmp_path)[-1]
-    assert all(np.isfinite(r["draft/cross_entropy"]) for r in _steps(tmp_path))
-    steps = [r for r in _steps(tmp_path) if r["train/loss"] is not None]
+    assert "engine/acceptance_rate" in records[-1]
+    assert all(np.isfinite(r["draft/cross_entropy"]) for r in records)
+    steps = [r for r in records if r["train/loss"] is not None]
     assert steps
     for r in steps:
         assert np.isfinite(r["train/loss"]) and np.isfinite(r["train/grad_norm"])
