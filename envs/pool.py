@@ -142,6 +142,12 @@ def _close_envs(envs: dict[str, Environment]) -> None:
     for env in envs.values():
         with contextlib.suppress(Exception):
             env.close()
+    # A worker leaves through os._exit (multiprocessing's, or ours on SIGTERM), which runs no exit handlers:
+    # the sandboxes' private root goes now (a worker killed outright leaves its root to the next process
+    # that makes one, `envs.sandbox_root.remove_abandoned`).
+    sandbox_root = sys.modules.get("envs.sandbox_root")
+    if sandbox_root is not None:
+        sandbox_root.remove()
 
 
 def _exit_now(envs: dict[str, Environment], code: int) -> None:

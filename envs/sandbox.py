@@ -71,7 +71,6 @@ code 128+N is reported as killed by signal N (bwrap reports signals that way).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import json
@@ -87,7 +86,7 @@ import threading
 import time
 import weakref
 
-from envs import cgroups, sandbox_plan, sandbox_run
+from envs import cgroups, sandbox_plan, sandbox_root, sandbox_run
 from envs.sandbox_run import execute, zygote_pid
 
 __all__ = ["Limits", "RunResult", "Isolation", "IsolationError", "Sandbox", "run_once", "isolation"]
@@ -401,21 +400,12 @@ def start_zygote(limits: Limits = Limits(), network: bool = False) -> bool:
     return True
 
 
-def _rmtree(path: pathlib.Path) -> None:
-    def unlock(func, p, _):
-        os.chmod(os.path.dirname(p), 0o700)
-        func(p)
-
-    shutil.rmtree(path, onerror=unlock)
-
-
 def _cleanup(*paths: pathlib.Path) -> None:
     for path in paths:
         if path.exists():
-            _rmtree(path)
+            sandbox_root.rmtree(path)
 
 
-_PRIVATE_ROOT: pathlib.Path | None = None
 _PRIVATE_PATHS = sandbox_plan.private_paths()
 
 
@@ -428,22 +418,14 @@ def _staged_etc(network: bool) -> str:
         try:
             staging.rename(path)
         except OSError:  # another thread staged it first
-            _rmtree(staging)
+            sandbox_root.rmtree(staging)
     return str(path)
 
 
 def _private_root() -> pathlib.Path:
-    """A per-process parent for work dirs, mode 0711: sandboxed code (all running as one uid, e.g.
-    `nobody`) can enter its own work dir but cannot list the parent, so the random names of other live
-    sandboxes' work dirs cannot be found (at the levels that show the host's /tmp). Its empty `.root` is
-    where each run mounts its own root at the mount level."""
-    global _PRIVATE_ROOT
-    if _PRIVATE_ROOT is None or not _PRIVATE_ROOT.exists():
-        _PRIVATE_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="sandboxes-")).resolve()
-        os.chmod(_PRIVATE_ROOT, 0o711)
-        (_PRIVATE_ROOT / ".root").mkdir(mode=0o755)
-        atexit.register(_rmtree, _PRIVATE_ROOT)
-    return _PRIVATE_ROOT
+    """This process's parent of work dirs, mode 0711 (`envs.sandbox_root`: made on first use, removed when
+    the process ends, however it ends)."""
+    return sandbox_root.get()
 
 
 class Sandbox:
@@ -525,7 +507,7 @@ class Sandbox:
             raise KeyError(f"no snapshot {snapshot_id!r}")
         for child in list(self.workdir.iterdir()):
             if child.is_dir() and not child.is_symlink():
-                _rmtree(child)
+                sandbox_root.rmtree(child)
             else:
                 child.unlink()
         _copy_tree(source, self.workdir)

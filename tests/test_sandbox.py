@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from envs import sandbox
+from envs import sandbox, sandbox_root
 from envs.sandbox import Limits, Sandbox, isolation_level, run_once
 from envs.sandbox_child import AHEAD
 
@@ -406,7 +406,7 @@ def test_a_run_whose_work_dir_is_gone_fails_the_same_warm_and_cold():
     outcomes = []
     for warm in (True, False):
         box = Sandbox(zygote=warm)
-        sandbox._rmtree(box.workdir)
+        sandbox_root.rmtree(box.workdir)
         result = box.run(["true"])
         outcomes.append((result.returncode, "sandbox: setup failed" in result.stderr))
         box.close()
