@@ -400,7 +400,11 @@ def start_zygote(limits: Limits = Limits(), network: bool = False) -> bool:
     return True
 
 
-def _cleanup(*paths: pathlib.Path) -> None:
+def _cleanup(owner_pid: int, *paths: pathlib.Path) -> None:
+    """Removes a Sandbox's dirs, in the process that made it only: a forked child inherits the finalizer
+    (run at the child's exit) but the dirs stay its parent's."""
+    if os.getpid() != owner_pid:
+        return
     for path in paths:
         if path.exists():
             sandbox_root.rmtree(path)
@@ -446,7 +450,7 @@ class Sandbox:
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-", dir=root)).resolve()
         self._snapdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-snap-", dir=root)).resolve()
         self._snapshots = 0
-        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._snapdir)
+        self._finalizer = weakref.finalize(self, _cleanup, os.getpid(), self.workdir, self._snapdir)
         self._chown(self.workdir)
         for relpath, content in (files or {}).items():
             self.write(relpath, content)

@@ -1,6 +1,7 @@
 """envs.sandbox_root: a process's private root of sandbox work dirs goes when the process goes, by whatever
-way it goes (normal exit, a pool worker's os._exit, kill -9), and never while its process lives. Every
-process here runs with TMPDIR in the test's own dir, so other tests' roots are never in view."""
+way it goes (normal exit, a pool worker's os._exit, kill -9), and never while its process lives, nor when a
+forked child of it exits. Every process here runs with TMPDIR in the test's own dir, so other tests' roots
+are never in view."""
 
 import os
 import pathlib
@@ -21,13 +22,14 @@ HOLDER = textwrap.dedent(
     """
     import os, sys
     from envs import sandbox_root
-    root = sandbox_root.get()
+    from envs.sandbox import Sandbox
+    box = Sandbox()
     pid = os.fork()
     if pid == 0:  # a forked child that makes its own root and exits normally (its exit handlers run)
         print(sandbox_root.get(), flush=True)
         sys.exit(0)
     os.waitpid(pid, 0)
-    print(root, flush=True)
+    print(box.workdir if box.workdir.exists() else "removed", flush=True)
     sys.stdin.read()  # holds the root until the test closes stdin or kills it
     """
 )
@@ -42,11 +44,10 @@ def _start_holder(tmp: pathlib.Path) -> tuple[subprocess.Popen, pathlib.Path, pa
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    child_root, root = (
-        pathlib.Path(proc.stdout.readline().strip()),
-        pathlib.Path(proc.stdout.readline().strip()),
-    )
-    return proc, root, child_root
+    child_root, workdir = proc.stdout.readline().strip(), proc.stdout.readline().strip()
+    # The child's exit left its parent's Sandbox (and root) alone: the work dir is there.
+    assert workdir != "removed"
+    return proc, pathlib.Path(workdir).parent, pathlib.Path(child_root)
 
 
 def test_roots_of_live_processes_stay_and_a_killed_ones_root_is_removed(tmp_path):
