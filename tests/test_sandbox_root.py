@@ -81,29 +81,45 @@ def open_tmp():
 POOL = textwrap.dedent(
     """
     import glob, os, tempfile
+    from envs.base import Task
     from envs.pool import EnvPool
 
+    def roots():
+        return " ".join(sorted(glob.glob(os.path.join(tempfile.gettempdir(), "sandboxes-*"))))
+
     if __name__ == "__main__":
-        with EnvPool(1, domains=["code"], timeout_s=60.0) as pool:  # forkserver workers, as in rl.train
-            print(*glob.glob(os.path.join(tempfile.gettempdir(), "sandboxes-*")), flush=True)
-            print(pool.worker_info()[0]["pid"], flush=True)
+        # forkserver workers, as in rl.train; each makes the code domain, whose zygote makes its root
+        with EnvPool(1, domains=["code", "debug"], timeout_s=1.0, term_grace_s=0.3) as pool:
+            print(roots(), flush=True)
+            for hang in ("sleep:30", "stubborn:30"):  # past the timeout: SIGTERM; ignored: SIGKILL
+                score = pool.score_many([(Task("t", "debug", "Reply with: ok"), hang)])[0]
+                assert pool.score_many([(Task("u", "debug", "Reply with: ok"), "ok")])[0].status == "ok"
+                print(score.status, score.details["exitcode"], roots(), flush=True)
     """
 )
 
 
-def test_a_pool_worker_removes_its_root_when_it_ends(open_tmp):
-    """Forkserver workers end through os._exit (multiprocessing's), which runs no exit handlers."""
+def test_pool_workers_leave_no_root_however_they_end(open_tmp):
+    """Forkserver workers end through os._exit: multiprocessing's at a clean close, the pool's SIGTERM
+    handler's past a timeout; neither runs exit handlers. A worker that ignores SIGTERM is killed outright,
+    and its replacement removes its root when it makes its own."""
     script = open_tmp / "pool_script.py"
     script.write_text(POOL)
     env = {**os.environ, "TMPDIR": str(open_tmp), "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    roots, pid = run.stdout.splitlines()
-    # The code domain started its zygote in the worker: the worker had made its root, in this TMPDIR.
-    (root,) = [pathlib.Path(r) for r in roots.split()]
-    assert root.parent == open_tmp
-    assert not pathlib.Path(f"/proc/{pid}").exists()
-    assert not root.exists() and _roots(open_tmp) == set()
+    first, after_term, after_kill = run.stdout.splitlines()
+    (first_root,) = [pathlib.Path(r) for r in first.split()]  # the first worker's, in this TMPDIR
+    assert first_root.parent == open_tmp
+    status, exitcode, *term_roots = after_term.split()
+    assert (status, exitcode) == ("timeout", str(128 + signal.SIGTERM))
+    # The replacement's root alone: the terminated worker removed its own.
+    assert len(term_roots) == 1 and term_roots[0] != str(first_root)
+    status, exitcode, *kill_roots = after_kill.split()
+    assert (status, exitcode) == ("timeout", str(-signal.SIGKILL))
+    # The replacement's root alone: it removed the killed worker's when it made its own.
+    assert len(kill_roots) == 1 and kill_roots[0] != term_roots[0]
+    assert _roots(open_tmp) == set()  # and the last worker's at the pool's close
 
 
 def _abandoned_looking(path: pathlib.Path) -> pathlib.Path:
