@@ -196,7 +196,7 @@ def _sandbox_uid() -> int | None:
 
 def _probe(level: str, backend: str) -> str:
     """'' when `true` runs at this level with this backend; else the reason it does not."""
-    with tempfile.TemporaryDirectory(prefix="sandbox-probe-", dir=_private_root()) as d:
+    with tempfile.TemporaryDirectory(prefix="sandbox-probe-", dir=sandbox_root.get()) as d:
         if _sandbox_uid() is not None:
             os.chown(d, _sandbox_uid(), _sandbox_uid())
         isolation = Isolation(level, backend, "rlimits")
@@ -322,7 +322,7 @@ def _spec(
     }
     run = {"argv": argv, "env": env, "cwd": cwd, "limits": _limits_dict(limits), "workdir": workdir}
     if isolated.level == "mount":
-        private = str(_private_root())
+        private = str(sandbox_root.get())
         base = _base_ops(limits.tmp_bytes, network, private)
         if isolated.backend == "bwrap":
             ops = [*base, ["rw", workdir]]
@@ -393,7 +393,7 @@ def start_zygote(limits: Limits = Limits(), network: bool = False) -> bool:
     isolated = isolation()
     if not sandbox_run.start_zygote():
         return False
-    workdir = str(_private_root() / "sandbox-")  # where a Sandbox's work dir lies; only its parent counts
+    workdir = str(sandbox_root.get() / "sandbox-")  # where a Sandbox's work dir lies; only its parent counts
     spec = _spec(["true"], dict(BASE_ENV), workdir, "/", limits, isolated, network, cgroup=None)
     if spec["prep"]["ahead"] and isolated.resources != "cgroup2":
         sandbox_run.prepare(spec)
@@ -415,21 +415,15 @@ _PRIVATE_PATHS = sandbox_plan.private_paths()
 
 def _staged_etc(network: bool) -> str:
     """This process's copy of the /etc entries runs see (`sandbox_plan.stage_etc`), made on first use."""
-    path = _private_root() / (".etc-network" if network else ".etc")
+    path = sandbox_root.get() / (".etc-network" if network else ".etc")
     if not path.exists():
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".etc-", dir=_private_root()))
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=".etc-", dir=sandbox_root.get()))
         sandbox_plan.stage_etc(staging, network)
         try:
             staging.rename(path)
         except OSError:  # another thread staged it first
             sandbox_root.rmtree(staging)
     return str(path)
-
-
-def _private_root() -> pathlib.Path:
-    """This process's parent of work dirs, mode 0711 (`envs.sandbox_root`: made on first use, removed when
-    the process ends, however it ends)."""
-    return sandbox_root.get()
 
 
 class Sandbox:
@@ -446,7 +440,7 @@ class Sandbox:
         zygote: bool = True,
     ):
         self.limits, self.network, self.zygote = limits, network, zygote
-        root = _private_root()
+        root = sandbox_root.get()
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-", dir=root)).resolve()
         self._snapdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-snap-", dir=root)).resolve()
         self._snapshots = 0

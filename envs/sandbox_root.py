@@ -49,12 +49,13 @@ def get() -> pathlib.Path:
     the mount level."""
     global _root, _owner_pid, _lock_fd
     with _lock:
-        if _root is not None and _owner_pid == os.getpid() and _root.exists():
+        made_here = _owner_pid == os.getpid()
+        if made_here and _root is not None and _root.exists():
             return _root
-        if _owner_pid != os.getpid():  # made by the parent of this forked process: the parent's to remove
-            if _lock_fd is not None:
-                os.close(_lock_fd)  # the parent's lock stays: the parent holds the same open file
-            _root, _lock_fd = None, None
+        # A forked child's copy of its parent's lock (the parent's lock stays: it holds the same open file),
+        # or the lock of a root removed from under this process.
+        if _lock_fd is not None:
+            os.close(_lock_fd)
         remove_abandoned()
         root = pathlib.Path(tempfile.mkdtemp(prefix=PREFIX)).resolve()
         os.chmod(root, 0o711)
@@ -62,9 +63,7 @@ def get() -> pathlib.Path:
         fd, held = tempfile.mkstemp(prefix=".lock-", dir=root)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.rename(held, root / LOCK)
-        if _lock_fd is not None:  # the previous root was removed from under this process
-            os.close(_lock_fd)
-        if _owner_pid != os.getpid():
+        if not made_here:
             atexit.register(remove)
         _root, _owner_pid, _lock_fd = root, os.getpid(), fd
         return root
@@ -97,12 +96,10 @@ def remove_abandoned(parent: str | None = None) -> list[pathlib.Path]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its process is alive
-            os.close(fd)
+            rmtree(path)
+        except OSError:  # the lock is held (its process is alive), or the tree could not all be removed
             continue
-        try:
-            with contextlib.suppress(OSError):
-                rmtree(path)
+        else:
             removed.append(path)
         finally:
             os.close(fd)
