@@ -1,5 +1,5 @@
 """Strict JAX for every test: 8 fake CPU devices, rank promotion raises, a persistent compile cache, a quick
-XLA:CPU backend (optimization level 0)."""
+XLA:CPU backend (optimization level 0, fusion emitters off)."""
 
 import os
 import pathlib
@@ -12,10 +12,35 @@ if "xla_force_host_platform_device_count" not in _flags:
 # XLA:CPU compile time is ~2/3 of the suite's time (the programs run for milliseconds), most of it LLVM
 # optimizing each fusion's code. At backend optimization level 0 a GRPO update of the test config compiles in
 # 2.9 s instead of 5.6 s and runs 3x slower (17 ms instead of 6). The same XLA programs (HLO passes, fusion,
-# no fast-math either way) are compiled, by the same code paths; the main job, the benchmarks and the demo run
-# at XLA's default level. Child processes (main jobs, hosts, workers) inherit the flag through XLA_FLAGS.
+# no fast-math either way) are compiled; the main job, the benchmarks and the demo run at XLA's default level.
+# Child processes (main jobs, hosts, workers) inherit this flag and the next through XLA_FLAGS.
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA defines `flag` (XLA aborts the process on an unknown flag in XLA_FLAGS)."""
+    import importlib.util
+    import mmap
+
+    spec = importlib.util.find_spec("jaxlib")
+    for location in spec.submodule_search_locations if spec else ():
+        for lib in pathlib.Path(location).glob("*.so"):
+            if lib.stat().st_size == 0:
+                continue
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(flag.encode() + b"\0") >= 0:
+                    return True
+    return False
+
+
+# XLA:CPU's MLIR fusion emitters took 18% of a cold main job's CPU time (perf). Off, XLA:CPU emits its
+# fusions with the elemental IR emitter, its older, still supported code path (a few fusion choices, around
+# scatters, differ). Measured on 2 cores, cold caches: tests/test_train_step.py plus test_train_end_to_end
+# 88 -> 58 s, the whole suite 1198 -> 832 s. Results may differ in the last bit (another rounding order); a
+# test that depends on the last bit is wrong either way. The main job, benchmarks and demo keep the emitters.
+if "xla_cpu_use_fusion_emitters" not in _flags and _xla_knows("xla_cpu_use_fusion_emitters"):
+    _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
