@@ -410,15 +410,27 @@ def model_config(cfg: ml_collections.ConfigDict) -> ml_collections.FrozenConfigD
     return ml_collections.FrozenConfigDict({"model": cfg.model, "mesh": cfg.mesh})
 
 
+# The init program runs once, for milliseconds; on CPU most of its compile was LLVM optimizing its threefry
+# hashes. At backend optimization level 0 it compiles 2.4-2.9x faster and runs 25-50 ms longer (`python
+# benchmarks/init_compile.py`, 2 cores, benchmarks/results/init_compile.jsonl: 5.5 -> 1.9 s for the test
+# config, 4.0 -> 1.7 s for the demo's), and its values are within 3 ulp of the default level's (another
+# rounding order in the normal draws: ~4.5% of them differ).
+INIT_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
 @functools.lru_cache(maxsize=16)
-def _sharded_init(cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh):
+def _sharded_init(cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, options: str = "auto"):
     """(graph definition, jitted `init(key) -> state`): every parameter made with its sharding on `mesh`.
-    The key is an argument, so every seed runs one program (one compile: ~8 s for the test config's model
-    on the 2-core reference CPU, a threefry hash per parameter); the model and mesh are the cache key."""
+    The key is an argument, so every seed runs one program (one compile, a threefry hash per parameter); the
+    model and mesh are the cache key. `options`: "auto" (INIT_CPU_OPTIONS on a CPU mesh) or "xla" (XLA's
+    defaults everywhere, for the benchmark)."""
     make = lambda key: Transformer(cfg, rngs=nnx.Rngs(params=key))  # noqa: E731
     graphdef, abstract = nnx.split(nnx.eval_shape(make, jax.random.key(0)))
     shardings = sharding.state_shardings(abstract, mesh, cfg.mesh.rules)
-    return graphdef, jax.jit(lambda key: nnx.state(make(key)), out_shardings=shardings)
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    xla = dict(INIT_CPU_OPTIONS) if options == "auto" and cpu else None
+    init = jax.jit(lambda key: nnx.state(make(key)), out_shardings=shardings, compiler_options=xla)
+    return graphdef, init
 
 
 def next_token_loss(logits_BTV: jax.Array, tokens_BT: jax.Array, mask_BT=None) -> jax.Array:
