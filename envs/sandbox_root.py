@@ -49,8 +49,7 @@ def get() -> pathlib.Path:
     the mount level."""
     global _root, _owner_pid, _lock_fd
     with _lock:
-        made_here = _owner_pid == os.getpid()
-        if made_here and _root is not None and _root.exists():
+        if _owner_pid == os.getpid() and _root is not None and _root.exists():
             return _root
         # A forked child's copy of its parent's lock (the parent's lock stays: it holds the same open file),
         # or the lock of a root removed from under this process.
@@ -63,8 +62,6 @@ def get() -> pathlib.Path:
         fd, held = tempfile.mkstemp(prefix=".lock-", dir=root)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.rename(held, root / LOCK)
-        if not made_here:
-            atexit.register(remove)
         _root, _owner_pid, _lock_fd = root, os.getpid(), fd
         return root
 
@@ -81,6 +78,9 @@ def remove() -> None:
         if _lock_fd is not None:
             os.close(_lock_fd)
         _root, _lock_fd = None, None
+
+
+atexit.register(remove)  # a no-op in a process that made no root (a forked child inherits the registration)
 
 
 def remove_abandoned(parent: str | None = None) -> list[pathlib.Path]:

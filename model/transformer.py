@@ -418,18 +418,22 @@ def model_config(cfg: ml_collections.ConfigDict) -> ml_collections.FrozenConfigD
 INIT_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
+def init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
+    """The init program's compiler options on `mesh`: INIT_CPU_OPTIONS on CPU, XLA's defaults elsewhere."""
+    return dict(INIT_CPU_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else None
+
+
 @functools.lru_cache(maxsize=16)
-def _sharded_init(cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, options: str = "auto"):
+def _sharded_init(cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, xla_defaults: bool = False):
     """(graph definition, jitted `init(key) -> state`): every parameter made with its sharding on `mesh`.
     The key is an argument, so every seed runs one program (one compile, a threefry hash per parameter); the
-    model and mesh are the cache key. `options`: "auto" (INIT_CPU_OPTIONS on a CPU mesh) or "xla" (XLA's
-    defaults everywhere, for the benchmark)."""
+    model and mesh are the cache key. Compiled with `init_compiler_options`, or XLA's defaults everywhere
+    (`xla_defaults`, for the benchmark)."""
     make = lambda key: Transformer(cfg, rngs=nnx.Rngs(params=key))  # noqa: E731
     graphdef, abstract = nnx.split(nnx.eval_shape(make, jax.random.key(0)))
     shardings = sharding.state_shardings(abstract, mesh, cfg.mesh.rules)
-    cpu = mesh.devices.flat[0].platform == "cpu"
-    xla = dict(INIT_CPU_OPTIONS) if options == "auto" and cpu else None
-    init = jax.jit(lambda key: nnx.state(make(key)), out_shardings=shardings, compiler_options=xla)
+    options = None if xla_defaults else init_compiler_options(mesh)
+    init = jax.jit(lambda key: nnx.state(make(key)), out_shardings=shardings, compiler_options=options)
     return graphdef, init
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 
 def gram_DD(grads_D) -> jax.Array:
@@ -71,9 +72,9 @@ def project(grads_D, domains: tuple[str, ...]) -> tuple[object, dict[str, jax.Ar
     update = combine(grads_D, c_D)
     # |update| from the update itself: where domains conflict, c^T G c subtracts terms of order |g|^2, and its
     # square root turns f32 rounding into ~1e-3 (a kept fraction of exactly 0 came out as 1.07e-3).
-    update2 = sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(update))
+    # (optax.tree.norm: the norm the train step reports as grad_norm, of the same update)
     plain2 = jnp.sum(gram)  # |sum_d g_d|^2 = 1^T G 1
-    kept = jnp.sqrt(update2 / jnp.maximum(plain2, 1e-30))
+    kept = optax.tree.norm(update) / jnp.sqrt(jnp.maximum(plain2, 1e-30))
     metrics = {"projection/conflicts": conflicts}
     metrics["projection/kept"] = jnp.where((conflicts > 0) & (plain2 > 0), kept, 1.0)  # none: the plain sum
     for i, a in enumerate(domains):
