@@ -1,11 +1,11 @@
 """python benchmarks/restart_compile.py [--config=configs/grpo.py:test] [--pairs=2] [--min_compile_s=1,0]
 
 What JAX's persistent compilation cache saves a second run (or a restart after preemption) of the main job.
-Each run is `python -m rl.train --config=CONFIG --workdir=<fresh dir> --eval=false` in its own process with
-the product's XLA defaults and `JAX_COMPILATION_CACHE_DIR` set: a `cold` run gets an empty cache directory,
-the `warm` run after it the directory the cold run filled. Pairs alternate cold, warm, cold, warm, per
-`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` value (JAX's default is 1 s: programs that compile faster are
-not written; 0 writes every program).
+Each run is `python -m rl.train --config=CONFIG --workdir=<fresh dir> --eval=false` in its own process, on
+this host's devices with the product's XLA defaults and `JAX_COMPILATION_CACHE_DIR` set: a `cold` run gets an
+empty cache directory, the `warm` run after it the directory the cold run filled. Pairs alternate cold, warm,
+cold, warm, per `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` value (JAX's default is 1 s: programs that
+compile faster are not written; 0 writes every program).
 
 One `restart_compile` JSON line per run: wall seconds of the process, seconds from its start to its first
 SFT step and to its first GRPO step record in metrics.jsonl (the steps' own times are not in these), and
@@ -23,12 +23,9 @@ import sys
 import tempfile
 import time
 
+from decode import emit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def emit(line: dict) -> dict:
-    print(json.dumps(line), flush=True)
-    return line
 
 
 def _first_times(metrics_path: str) -> tuple[float | None, float | None]:
@@ -52,7 +49,6 @@ def _cache_size(cache_dir: str) -> tuple[int, int]:
 def run_once(config: str, workdir: str, cache_dir: str, min_compile_s: str) -> dict:
     env = dict(
         os.environ,
-        JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=cache_dir,
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=min_compile_s,
     )
