@@ -32,7 +32,7 @@ from grpo_step import grpo_cfg
 
 from inference import Engine
 from rl import distributed, rollout, train_step, validate
-from rl.train import _reference, _warm_up
+from rl.train import _warm_up
 
 ARCH = "qwen3"
 
@@ -41,7 +41,7 @@ def _setup():
     cfg = grpo_cfg(ARCH)
     mesh = distributed.trainer_mesh(cfg)
     model_def, state = train_step.init_state(cfg, mesh=mesh, seed=0)
-    return cfg, mesh, model_def, state, _reference(state.params, cfg.rl.reference_dtype)
+    return cfg, mesh, model_def, state, train_step.reference_weights(state, cfg.rl.reference_dtype)
 
 
 def _random_batch(cfg, mesh):

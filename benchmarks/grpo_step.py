@@ -64,7 +64,7 @@ from envs import Score, Task  # noqa: E402
 from inference import Engine  # noqa: E402
 from model import plan  # noqa: E402
 from rl import distributed, rollout, train_step, validate  # noqa: E402
-from rl.train import _reference, _warm_up, _weight_sync  # noqa: E402  (the main job's own helpers)
+from rl.train import _warm_up, _weight_sync  # noqa: E402  (the main job's own helpers)
 
 PEER_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers", "tunix_grpo_step_bench.py"
@@ -200,7 +200,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
     load_start, compiles_start = loadavg(), dict(_COMPILES)
     mesh = distributed.trainer_mesh(cfg)
     model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed)
-    ref_params = _reference(state.params, rl.reference_dtype)
+    ref_params = train_step.reference_weights(state, rl.reference_dtype)
     params_before = jax.tree.map(np.asarray, state.params)
     engine = Engine(
         cfg,

@@ -119,7 +119,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         draft_def, draft_state = (
             (None, None) if draft_cfg is None else _sft_state(draft_cfg, rl.seed, mesh=mesh)
         )
-        ref_params = _reference(state.params, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
+        ref_params = (
+            train_step.reference_weights(state, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
+        )
         start_step, version, sft_done = 0, 0, 0
         if meta is not None:
             sft_done = meta.get("sft_step", rl.sft.steps)
@@ -156,7 +158,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 cfg, mesh=mesh, seed=rl.seed, params=state.params, model_state=state.model_state
             )
             if ref_params is not None:
-                ref_params = _reference(state.params, rl.reference_dtype)
+                ref_params = train_step.reference_weights(state, rl.reference_dtype)
             ckpt.save(0, _pack(state, ref_params, draft_state), source.state(0, 0), force=True)
         if sft_only:
             ckpt.wait()
@@ -559,14 +561,6 @@ def _recorded(batches: list, tasks: list) -> list:
     return tasks
 
 
-def _reference(params, dtype: str):
-    """A frozen copy of `params` (the step-0 policy) in `dtype` ("" keeps theirs)."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.tree.map(lambda p: jnp.array(p, dtype=dtype or p.dtype, copy=True), params)
-
-
 def _pack(state, ref_params, draft_state):
     """The checkpointed tree: the train state alone, or with the reference and the draft state."""
     if ref_params is None and draft_state is None:
@@ -582,19 +576,23 @@ def _pack(state, ref_params, draft_state):
 def checkpoint_target(cfg, state, meta: dict):
     """The restore target of a checkpoint with `meta`: the train state, with the reference and the draft
     state when the run keeps them (shapes from `cfg`; values are placeholders)."""
-    from rl import validate
+    from rl import train_step, validate
 
     rl = cfg.rl
     in_sft = meta.get("sft_step", rl.sft.steps) < rl.sft.steps
     draft_state = None
     if rl.engine.draft == "model":
         draft_state = _sft_state(validate.draft_model_config(cfg), rl.seed)[1]
-    ref = None if in_sft or rl.loss.kl_kind == "none" else _reference(state.params, rl.reference_dtype)
+    ref = (
+        None
+        if in_sft or rl.loss.kl_kind == "none"
+        else train_step.reference_weights(state, rl.reference_dtype)
+    )
     return _pack(state, ref, draft_state)
 
 
 def unpack(tree):
-    """(train state, reference params or None, draft state or None) of a checkpointed tree."""
+    """(train state, reference weights or None, draft state or None) of a checkpointed tree."""
     if not isinstance(tree, dict):
         return tree, None, None
     return tree["train"], tree.get("reference"), tree.get("draft")

@@ -103,6 +103,16 @@ def weights(state: TrainState) -> nnx.State:
     return nnx.merge_state(state.params, state.model_state)
 
 
+def reference_weights(state: TrainState, dtype: str = "") -> nnx.State:
+    """The frozen KL reference: a copy of `weights(state)` (the step-0 policy whole: params and the sigmoid
+    routers' selection biases, which the steps go on moving), the params in `dtype` ("" keeps theirs; the
+    biases keep theirs: routing is chosen by them). For a model without non-Param state it has the params'
+    structure. `make_grpo_update`'s `ref_params`; the checkpoint's "reference"."""
+    params = jax.tree.map(lambda p: jnp.array(p, dtype=dtype or p.dtype, copy=True), state.params)
+    rest = jax.tree.map(lambda x: jnp.array(x, copy=True), state.model_state)
+    return nnx.merge_state(params, rest)
+
+
 class ModelDef(NamedTuple):
     """The static half of the model: graph definition plus non-parameter state (constant in training)."""
 
@@ -272,10 +282,12 @@ def init_state(
             rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
     if model_state is not None:
         rest = model_state
+    # The ModelDef keeps its own copy: the train step donates the state, `rest` included.
+    model_rest = lambda: jax.tree.map(lambda x: jnp.array(x, copy=True), rest)  # noqa: E731
     optimizer = make_optimizer(cfg.rl.optim)
     step, rng = jnp.zeros((), jnp.int32), seeds.key(seed)
     if mesh is None:
-        return ModelDef(graphdef, rest), TrainState(params, optimizer.init(params), step, rng, rest)
+        return ModelDef(graphdef, model_rest()), TrainState(params, optimizer.init(params), step, rng, rest)
     rules = cfg.mesh.rules
     if jax.process_count() > 1:  # one process's arrays (e.g. a loaded checkpoint) cannot move to others
         params, rest = _host_local(params), _host_local(rest)
@@ -287,7 +299,7 @@ def init_state(
         # Made on the mesh (a typed key has no host form to place on devices of other processes).
         scalars = lambda: (jnp.zeros((), jnp.int32), seeds.key(seed))  # noqa: E731
         step, rng = jax.jit(scalars, out_shardings=NamedSharding(mesh, PartitionSpec()))()
-    return ModelDef(graphdef, rest), TrainState(params, opt_state, step, rng, rest)
+    return ModelDef(graphdef, model_rest()), TrainState(params, opt_state, step, rng, rest)
 
 
 def _host_local(tree: Any) -> Any:
@@ -739,10 +751,15 @@ def _sft_step(cfg, graphdef: nnx.GraphDef, mesh, mtp_weight: float):
     return _make_step(cfg, graphdef, mesh, SFT_KEYS, loss, units)
 
 
+# The reference's `rest`: its selection biases are in its weights (`reference_weights`), not the ModelDef's.
+NO_REST = nnx.State({})
+
+
 def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
     """`update(state, batch, *, ref_params=None) -> (state, metrics)`: what one rollout batch does to the
     parameters (module docstring). `batch` holds host (numpy) arrays of `rl.prompts_per_step * group_size`
-    rows; `ref_params` is the frozen reference (needed when rl.loss.kl_kind is set). Metrics are means over
+    rows; `ref_params` is the frozen reference's weights (`reference_weights`; needed when rl.loss.kl_kind is
+    set; for a model with selection biases they are part of it). Metrics are means over
     the updates, `*_max` / `*_min` their extremes, and `updates` the count."""
     rl = cfg.rl
     step_fn = make_train_step(cfg, graphdef, mesh=mesh)
@@ -763,7 +780,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
         if use_kl:
             if ref_params is None:
                 raise ValueError(f"rl.loss.kl_kind={rl.loss.kl_kind!r} needs the reference parameters")
-            batch["ref_logp_BT"] = keep(ref_fn(ref_params, batch))
+            batch["ref_logp_BT"] = keep(ref_fn(ref_params, batch, NO_REST))
         if epochs * minis > 1:
             batch["proximal_logp_BT"] = keep(proximal_fn(state.params, batch, state.model_state))
         rows = batch["tokens_BT"].shape[0]
@@ -791,7 +808,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
         per = mini_rows(rows)
         per_BT = jax.ShapeDtypeStruct(batch["tokens_BT"].shape, jnp.float32)
         if use_kl:
-            ref_fn.compile(ref_params, batch)
+            ref_fn.compile(ref_params, batch, NO_REST)
             batch["ref_logp_BT"] = per_BT
         if epochs * minis > 1:
             proximal_fn.compile(state.params, batch, state.model_state)

@@ -167,7 +167,31 @@ def _cfg(checkpoint_dir):
     cfg.rl.sft.steps, cfg.rl.sft.optim.lr = 4, 3e-2
     cfg.rl.steps, cfg.rl.checkpoint_every = 2, 2
     cfg.rl.engine.draft = "mtp"  # the rollout drafts with the checkpoint's MTP module, on the MLA engine
+    # KL to the frozen step-0 reference: with a sigmoid router the reference is the step-0 model whole, its
+    # selection biases included (training moves the policy's).
+    cfg.rl.loss.kl_kind, cfg.rl.loss.kl_coef = "k3", 0.05
     return cfg
+
+
+def _restored(cfg, workdir, step: int):
+    """(train state, reference weights) of the run's checkpoint at `step`, restored as rl.train does."""
+    from rl import checkpoint, train, train_step
+
+    _, state = train_step.init_state(cfg, seed=cfg.rl.seed)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=1, model_config=cfg.model)
+    try:
+        tree, meta = ckpt.restore(
+            step, target_state=train.checkpoint_target(cfg, state, ckpt.read_meta(step))
+        )
+    finally:
+        ckpt.close()
+    state, ref, _ = train.unpack(tree)
+    return state, ref
+
+
+def _bias(tree, block: int = 0) -> np.ndarray:
+    """The selection bias of MoE block `block` in a model state or reference weights (unrolled layers)."""
+    return np.asarray(tree["moe_layers"]["blocks"][block]["mlp"]["expert_bias"][...])
 
 
 def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, monkeypatch):
@@ -205,6 +229,19 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
     assert [r["step"] for r in grpo_records] == [1, 2]
     assert any("train/loss" in r for r in grpo_records)  # an update, not only groups without a signal
     assert any("engine/acceptance_rate" in r for r in records)  # the drafter's acceptance is logged
+
+    # The KL reference is the step-0 model (checkpoint 0, after the warm start), biases included: the first
+    # update starts from it, so its KL is 0 but for rounding (k3 is quadratic in a log-prob difference, ~1e-7
+    # between two programs' f32 forwards; 0.0 here); the policy's biases have moved by step 2, the
+    # reference's not. (Before the reference kept its own biases, the second update read the donated first
+    # state's and failed.)
+    kl = {r["step"]: r["train/kl"] for r in grpo_records if "train/kl" in r}
+    assert kl and all(np.isfinite(v) for v in kl.values()), grpo_records
+    assert abs(kl[min(kl)]) < 1e-9, kl
+    step0, _ = _restored(run_cfg, workdir, 0)
+    final, ref = _restored(run_cfg, workdir, 2)
+    np.testing.assert_array_equal(_bias(ref), _bias(step0.model_state))
+    assert not np.array_equal(_bias(final.model_state), _bias(step0.model_state))
 
     # A restart finds the run's checkpoints: it restores them and never reads rl.init_from's weights.
     def refuse(*args, **kwargs):
