@@ -115,15 +115,6 @@ class Engine(Scheduler):
             raise ValueError(
                 f"draft model vocab_size={draft.cfg.model.vocab_size} != target vocab_size={self.vocab}."
             )
-        if cfg.model.attention_kind == "mla" and e.host_cache_pages:
-            raise ValueError(
-                "engine.host_cache_pages must be 0 with model.attention_kind='mla' (the host tier moves "
-                "k/v pages; MLA's latent pages are not wired into it yet)."
-            )
-        if draft is not None and e.host_cache_pages:
-            raise ValueError(
-                "engine.host_cache_pages must be 0 with a drafter (the host tier moves target pages only)."
-            )
         if draft is not None and not isinstance(draft, ModelDrafter) and e.decode_steps > 1:
             raise ValueError(
                 f"engine.decode_steps={e.decode_steps} must be 1 with a {type(draft).__name__} (its "
@@ -430,14 +421,12 @@ class Engine(Scheduler):
                 while n <= pow2(e.max_batch * e.pages_per_seq):
                     routing.gather(self.kv["experts"], [kv_pages.NULL_PAGE] * n)
                     n *= 2
-            if e.host_cache_pages:
+            if e.host_cache_pages:  # the host tier's gather and scatter, at every page-count bucket
                 n = 1
                 while n <= pow2(e.pages_per_seq):
                     pages = [kv_pages.NULL_PAGE] * n
-                    host = kv_pages.gather_pages(self.kv["k"], self.kv["v"], pages)
-                    self.kv["k"], self.kv["v"] = kv_pages.scatter_pages(
-                        self.kv["k"], self.kv["v"], pages, *host
-                    )
+                    host = kv_pages.gather_pages(self._page_arrays(), pages)
+                    self._set_page_arrays(kv_pages.scatter_pages(self._page_arrays(), pages, host))
                     n *= 2
             for length in score_lengths:
                 b = 1

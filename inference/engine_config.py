@@ -33,7 +33,7 @@ class EngineConfig:
     # Record the experts each MoE layer chose for every token the target fed (Completion.expert_indices, for
     # routing replay) in routing pages beside the K/V: L_moe * k bytes per pool slot with at most 127
     # experts (int8), else 2 * L_moe * k (int16); e.g. 58 MoE layers, top-8 of 256 experts: 928 B per token
-    # (K/V: 2 * L * K * H * dtype bytes). Needs host_cache_pages = 0.
+    # (K/V: 2 * L * K * H * dtype bytes). The host tier moves the record with the K/V.
     record_routing: bool = False
     # Plain decoding: tokens per device call (a `lax.while_loop` of decode steps with on-device sampling and
     # stop / length checks; the host admits and retires sequences between calls, so a row that finishes
@@ -74,11 +74,6 @@ class EngineConfig:
             )
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"engine.scheduler={self.scheduler!r} is unknown; choose one of {SCHEDULERS}.")
-        if self.record_routing and self.host_cache_pages:
-            raise ValueError(
-                f"engine.host_cache_pages={self.host_cache_pages} must be 0 with engine.record_routing (the "
-                "host tier moves K/V pages, not the routing record)."
-            )
         if self.num_pages and self.num_pages < self.pages_per_seq + 1:
             raise ValueError(
                 f"engine.num_pages={self.num_pages} cannot hold one sequence of "

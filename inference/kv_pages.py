@@ -3,12 +3,13 @@
 Dimension key: K kv heads, P pages in the pool, L slots per page (page size), H head dim, N pages moved in
 one gather/scatter, B sequences in a batch, M pages per sequence in a page table.
 
-Everything here is host-side Python/numpy; the page contents live in device arrays `k_pages_KPLH` /
-`v_pages_KPLH` that the engine owns (the layout `pallas_kernels.paged_attention` reads). The bookkeeping
-tells the engine what to do to them: `SequenceTable.append_tokens` returns the (page, slot) write positions
-and the (src, dst) page copies that copy-on-write needs (apply them with `copy_pages` before the writes);
-`PrefixCache.offload` / `PrefixCache.lookup` hand pages to and from the host tier through `gather_pages` /
-`scatter_pages`.
+Everything here is host-side Python/numpy; the page contents live in device arrays that the engine owns,
+page axis 1 in each (`k_pages_KPLH` / `v_pages_KPLH`, the layout `pallas_kernels.paged_attention` reads;
+MLA's `latent` pages; the routing record; a drafter's pages), passed to the helpers below as one dict of
+named page arrays. The bookkeeping tells the engine what to do to them: `SequenceTable.append_tokens`
+returns the (page, slot) write positions and the (src, dst) page copies that copy-on-write needs (apply them
+with `copy_pages` before the writes); `PrefixCache.offload` / `PrefixCache.lookup` hand pages to and from
+the host tier through `gather_pages` / `scatter_pages`, every named array of a page together.
 
 Page `NULL_PAGE` (0) is reserved: never allocated, it fills unused page-table entries so that every entry
 is a valid pool index (the attention kernels mask those slots by length).
@@ -73,6 +74,10 @@ class PagePool:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def free_pages(self) -> list[int]:
+        """The pages on the free list (a copy)."""
+        return list(self._free)
 
     def refcount(self, page: int) -> int:
         return int(self._refs[page])
@@ -256,60 +261,60 @@ def _padded(pages: Sequence[int]) -> jax.Array:
     return jnp.asarray(np.pad(np.asarray(pages, np.int32), (0, _bucket(len(pages)) - len(pages))))
 
 
+Pages = dict[str, jax.Array]  # named page arrays, page axis 1: [rows, P, L, width] (k, v, latent, experts...)
+HostPages = dict[str, np.ndarray]  # the same names, host copies of N pages: [rows, N, L, width]
+
+
 @jax.jit
-def _gather(k_pages_KPLH, v_pages_KPLH, pages_N):
-    return k_pages_KPLH[:, pages_N], v_pages_KPLH[:, pages_N]
+def _gather(arrays: Pages, pages_N) -> Pages:
+    return {name: a[:, pages_N] for name, a in arrays.items()}
 
 
-def _scatter_fn(k_pages_KPLH, v_pages_KPLH, pages_N, k_KNLH, v_KNLH):
-    return k_pages_KPLH.at[:, pages_N].set(k_KNLH), v_pages_KPLH.at[:, pages_N].set(v_KNLH)
+def _scatter_fn(arrays: Pages, pages_N, host: Pages) -> Pages:
+    return {name: a.at[:, pages_N].set(host[name].astype(a.dtype)) for name, a in arrays.items()}
 
 
-def _copy_fn(k_pages_KPLH, v_pages_KPLH, src_N, dst_N):
-    return k_pages_KPLH.at[:, dst_N].set(k_pages_KPLH[:, src_N]), v_pages_KPLH.at[:, dst_N].set(
-        v_pages_KPLH[:, src_N]
-    )
+def _copy_fn(arrays: Pages, src_N, dst_N) -> Pages:
+    return {name: a.at[:, dst_N].set(a[:, src_N]) for name, a in arrays.items()}
 
 
 @functools.lru_cache(maxsize=32)
-def _in_place(fn, k_sharding, v_sharding):
-    """`fn` jitted with the pool arrays donated and its outputs placed like them (a pool sharded over a
-    mesh stays as the engine's steps expect it)."""
-    return jax.jit(fn, donate_argnums=(0, 1), out_shardings=(k_sharding, v_sharding))
+def _in_place(fn, shardings: tuple):
+    """`fn` jitted with the page arrays donated and its outputs placed like them (a pool sharded over a
+    mesh stays as the engine's steps expect it); `shardings`: (name, sharding) pairs."""
+    return jax.jit(fn, donate_argnums=0, out_shardings=dict(shardings))
 
 
-def gather_pages(
-    k_pages_KPLH: jax.Array, v_pages_KPLH: jax.Array, pages: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """(k_KNLH, v_KNLH) host copies of the listed pages. Reads only: the pool arrays stay valid."""
-    k_KNLH, v_KNLH = jax.device_get(_gather(k_pages_KPLH, v_pages_KPLH, _padded(pages)))
-    return k_KNLH[:, : len(pages)], v_KNLH[:, : len(pages)]
+def _shardings(arrays: Pages) -> tuple:
+    return tuple((name, a.sharding) for name, a in sorted(arrays.items()))
 
 
-def scatter_pages(
-    k_pages_KPLH: jax.Array,
-    v_pages_KPLH: jax.Array,
-    pages: Sequence[int],
-    k_KNLH: np.ndarray,
-    v_KNLH: np.ndarray,
-) -> tuple[jax.Array, jax.Array]:
-    """New (k_pages_KPLH, v_pages_KPLH) with the host pages written at `pages`; donates the old arrays.
-    Padding writes zeros into `NULL_PAGE`, whose contents are never read unmasked."""
-    pad = ((0, 0), (0, _bucket(len(pages)) - len(pages)), (0, 0), (0, 0))
-    scatter = _in_place(_scatter_fn, k_pages_KPLH.sharding, v_pages_KPLH.sharding)
-    return scatter(k_pages_KPLH, v_pages_KPLH, _padded(pages), np.pad(k_KNLH, pad), np.pad(v_KNLH, pad))
+def gather_pages(arrays: Pages, pages: Sequence[int]) -> HostPages:
+    """Host copies of the listed pages of every named array. Reads only: the pool arrays stay valid."""
+    host = jax.device_get(_gather(arrays, _padded(pages)))
+    return {name: x[:, : len(pages)] for name, x in host.items()}
 
 
-def copy_pages(
-    k_pages_KPLH: jax.Array, v_pages_KPLH: jax.Array, copies: Sequence[tuple[int, int]]
-) -> tuple[jax.Array, jax.Array]:
-    """Applies `Append.copies` (src, dst) in one jitted gather/scatter; donates the old arrays. Padding
-    copies `NULL_PAGE` onto itself."""
+def scatter_pages(arrays: Pages, pages: Sequence[int], host: HostPages) -> Pages:
+    """New page arrays with the host pages (`gather_pages`' names) written at `pages`; donates the old
+    arrays. Padding writes zeros into `NULL_PAGE`, whose contents are never read unmasked."""
+    if sorted(host) != sorted(arrays):
+        raise ValueError(f"host pages of {sorted(host)} for page arrays {sorted(arrays)}")
+    padded = {}
+    for name, x in host.items():
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (0, _bucket(len(pages)) - len(pages))
+        padded[name] = np.pad(x, pad)
+    return _in_place(_scatter_fn, _shardings(arrays))(arrays, _padded(pages), padded)
+
+
+def copy_pages(arrays: Pages, copies: Sequence[tuple[int, int]]) -> Pages:
+    """Applies `Append.copies` (src, dst) to every named array in one jitted gather/scatter; donates the
+    old arrays. Padding copies `NULL_PAGE` onto itself."""
     if not copies:
-        return k_pages_KPLH, v_pages_KPLH
+        return arrays
     src, dst = zip(*copies)
-    copy = _in_place(_copy_fn, k_pages_KPLH.sharding, v_pages_KPLH.sharding)
-    return copy(k_pages_KPLH, v_pages_KPLH, _padded(src), _padded(dst))
+    return _in_place(_copy_fn, _shardings(arrays))(arrays, _padded(src), _padded(dst))
 
 
 # --- Prefix cache and host tier -------------------------------------------------------------------------
@@ -329,20 +334,20 @@ def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
 @dataclasses.dataclass
 class _Block:
     page: int | None  # device page, None while the block lives on the host tier
-    host: tuple[np.ndarray, np.ndarray] | None = None  # (k_KLH, v_KLH) while on the host tier
+    host: dict[str, np.ndarray] | None = None  # name -> [rows, L, width] while on the host tier
 
 
 class HostReload(NamedTuple):
     """Host blocks a lookup brought back: the engine writes them into their fresh pages with `apply`."""
 
     pages: list[int]
-    k_KNLH: np.ndarray | None
-    v_KNLH: np.ndarray | None
+    host: HostPages | None  # name -> [rows, len(pages), L, width]
 
-    def apply(self, k_pages_KPLH: jax.Array, v_pages_KPLH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def apply(self, arrays: Pages) -> Pages:
+        """`arrays` with the reloaded pages written (the old arrays donated when there are any)."""
         if not self.pages:
-            return k_pages_KPLH, v_pages_KPLH
-        return scatter_pages(k_pages_KPLH, v_pages_KPLH, self.pages, self.k_KNLH, self.v_KNLH)
+            return arrays
+        return scatter_pages(arrays, self.pages, self.host)
 
 
 class PrefixHit(NamedTuple):
@@ -400,18 +405,18 @@ class PrefixCache:
                 self._blocks[d].page for d in hit[on_host[0] :] if self._blocks[d].page is not None
             )
             hit, on_host, fresh = hit[: on_host[0]], [], []
-        host_k, host_v = [], []
+        reloaded = []
         for i, page in zip(on_host, fresh):
             block = self._blocks[hit[i]]
-            host_k.append(block.host[0])
-            host_v.append(block.host[1])
+            reloaded.append(block.host)
             block.page, block.host = page, None
             self._by_page[page] = hit[i]
         self.pool.incref(fresh)
         for digest in reversed(hit):
             self._blocks.move_to_end(digest)
         self._stats.update(hit_tokens=len(hit) * self.page_size, reloads=len(fresh))
-        reload = HostReload(fresh, *(np.stack(x, 1) if x else None for x in (host_k, host_v)))
+        host = {name: np.stack([b[name] for b in reloaded], 1) for name in reloaded[0]} if reloaded else None
+        reload = HostReload(fresh, host)
         return PrefixHit([self._blocks[d].page for d in hit], len(hit) * self.page_size, reload)
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
@@ -451,15 +456,16 @@ class PrefixCache:
         """Pages of the n least recently used device blocks that only the cache references."""
         return [self._blocks[d].page for d in self._idle_blocks()[:n]]
 
-    def offload(self, pages: Sequence[int], k_KNLH: np.ndarray, v_KNLH: np.ndarray) -> None:
-        """Moves the blocks of `pages` (from `offload_candidates`, contents from `gather_pages`) to the host
-        tier and frees their device pages. Pages someone else still references are refused."""
+    def offload(self, pages: Sequence[int], host: HostPages) -> None:
+        """Moves the blocks of `pages` (from `offload_candidates`; `host`: their contents, every named page
+        array, from `gather_pages`) to the host tier and frees their device pages. Pages someone else still
+        references are refused."""
         for page in pages:
             if page not in self._by_page or self.pool.refcount(page) != 1:
                 raise ValueError(f"page {page} is not a cached page that only the cache references")
         for n, page in enumerate(pages):
             block = self._blocks[self._by_page.pop(page)]
-            block.page, block.host = None, (np.array(k_KNLH[:, n]), np.array(v_KNLH[:, n]))
+            block.page, block.host = None, {name: np.array(x[:, n]) for name, x in host.items()}
         self.pool.decref(pages)
         self._stats.update(offloads=len(pages))
         host = [d for d, b in self._blocks.items() if b.page is None]
@@ -467,11 +473,12 @@ class PrefixCache:
             del self._blocks[digest]
             self._stats.update(host_evictions=1)
 
-    def offload_lru(self, n: int, k_pages_KPLH: jax.Array, v_pages_KPLH: jax.Array) -> int:
-        """Offloads up to n idle blocks (copying their pages to the host); returns how many it moved."""
+    def offload_lru(self, n: int, arrays: Pages) -> int:
+        """Offloads up to n idle blocks (copying their pages of every named array to the host); returns how
+        many it moved."""
         pages = self.offload_candidates(n)
         if pages:
-            self.offload(pages, *gather_pages(k_pages_KPLH, v_pages_KPLH, pages))
+            self.offload(pages, gather_pages(arrays, pages))
         return len(pages)
 
     def stats(self) -> dict[str, float]:

@@ -24,7 +24,11 @@ import numpy as np
 from inference import kv_pages, steps
 from inference.sampling import SamplingParams, sampling_arrays
 
-_NO_RELOAD = kv_pages.HostReload([], None, None)
+_NO_RELOAD = kv_pages.HostReload([], None)
+# The engine's caches indexed by pool page (each a dict of page arrays, or None): the target's K/V (or MLA
+# latent) with the routing record, a ModelDrafter's K/V, the MTP drafter's. A page's contents are its slice
+# of every one of them, so the host tier and copy-on-write move them together.
+PAGED_CACHES = ("kv", "draft_kv", "mtp_kv")
 
 
 def pow2(n: int) -> int:
@@ -121,7 +125,7 @@ class Scheduler:
         number of context tokens already cached."""
         hit = self.prefix.lookup(context) if self.ecfg.prefix_pages else kv_pages.PrefixHit([], 0, _NO_RELOAD)
         if hit.reload.pages:
-            self.kv["k"], self.kv["v"] = hit.reload.apply(self.kv["k"], self.kv["v"])
+            self._set_page_arrays(hit.reload.apply(self._page_arrays()))
         self.table.new(seq.id, hit.pages, hit.num_tokens)
         try:
             self.table.append_tokens(seq.id, len(context) - hit.num_tokens)
@@ -163,12 +167,25 @@ class Scheduler:
             return
         want = self.ecfg.max_batch - self.pool.num_free
         if want > 0:
-            n = min(pow2(want), pow2(self.ecfg.pages_per_seq))
-            pages = self.prefix.offload_candidates(n)
-            if pages:
-                padded = pages + [kv_pages.NULL_PAGE] * (pow2(len(pages)) - len(pages))
-                k, v = kv_pages.gather_pages(self.kv["k"], self.kv["v"], padded)
-                self.prefix.offload(pages, k[:, : len(pages)], v[:, : len(pages)])
+            self.offload_prefix(min(pow2(want), pow2(self.ecfg.pages_per_seq)))
+
+    def offload_prefix(self, n: int) -> int:
+        """Moves up to n idle prefix-cache blocks (least recently used first) to the host tier, every page
+        array of each (`PAGED_CACHES`), and frees their device pages; returns how many it moved. A later
+        prompt with that prefix reloads them. Needs `EngineConfig.host_cache_pages` > 0."""
+        if not self.ecfg.host_cache_pages:
+            raise ValueError("offload_prefix needs engine.host_cache_pages > 0 (the host tier is off)")
+        return self.prefix.offload_lru(n, self._page_arrays())
+
+    def _page_arrays(self) -> dict:
+        """Every device array indexed by pool page, as 'cache/name' -> array (`PAGED_CACHES`)."""
+        caches = ((c, getattr(self, c)) for c in PAGED_CACHES)
+        return {f"{c}/{name}": a for c, tree in caches if tree is not None for name, a in tree.items()}
+
+    def _set_page_arrays(self, arrays: dict) -> None:
+        for key, a in arrays.items():
+            cache, name = key.split("/")
+            getattr(self, cache)[name] = a
 
     def _grow(self, active: list[tuple[int, Seq]], n) -> list[tuple[int, Seq]]:
         """Reserves n more slots for each active sequence (`n` an int, or a function of the sequence),

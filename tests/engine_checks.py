@@ -1,5 +1,5 @@
 """Helpers shared by the engine tests: a warmed-up engine, random prompts, the check that an engine gave back
-every page, and the comparison of two engines' completions."""
+every page, the comparison of two engines' completions, and the host tier's round trip beside a twin."""
 
 import dataclasses
 
@@ -35,3 +35,47 @@ def same_completions(a, b) -> None:
         assert x.finish_reason == y.finish_reason
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
         np.testing.assert_allclose(x.raw_logprobs, y.raw_logprobs, atol=1e-5)
+
+
+def scribble_free_pages(eng, seed: int = 0) -> None:
+    """Random contents in every free pool page of every page array the engine keeps (target K/V or latent,
+    routing record, drafter pages): a host-tier reload that left an array out would read them."""
+    import jax.numpy as jnp
+
+    from inference import kv_pages
+
+    free = eng.pool.free_pages()
+    rng = np.random.default_rng(seed)
+    arrays = eng._page_arrays()
+    noise = {}
+    for name, a in arrays.items():
+        shape = (a.shape[0], len(free)) + a.shape[2:]
+        integer = jnp.issubdtype(a.dtype, jnp.integer)
+        noise[name] = (rng.integers(0, 100, shape) if integer else rng.normal(0, 10, shape)).astype(a.dtype)
+    eng._set_page_arrays(kv_pages.scatter_pages(arrays, free, noise))
+
+
+def host_tier_twins(cfg, params, ecfg, prompts, sp, make_draft=lambda: None):
+    """Two engines run `prompts` twice: one with a host tier, which moves every cached prefix block to the
+    host and scribbles over the free pages between the runs (its second run reloads them), and a twin
+    without one (its second run hits the same blocks on device). Returns the second runs' completions and
+    drafter counters [(completions, {accepted_tokens, proposed_tokens}), ...], host tier first."""
+    from inference.engine import Engine
+
+    out = []
+    for host_pages in (64, 0):
+        eng = Engine(cfg, params, dataclasses.replace(ecfg, host_cache_pages=host_pages), draft=make_draft())
+        eng.generate(prompts, sp)
+        before = eng.stats()
+        if host_pages:
+            assert eng.offload_prefix(host_pages) > 0
+            scribble_free_pages(eng)
+        second = eng.generate(prompts, sp)
+        after = eng.stats()
+        assert after["prefix_cache"]["hit_tokens"] > before["prefix_cache"]["hit_tokens"]
+        if host_pages:
+            assert after["prefix_cache"]["reloads"] > 0
+        check_released(eng)
+        counters = {k: after.get(k, 0) - before.get(k, 0) for k in ("accepted_tokens", "proposed_tokens")}
+        out.append((second, counters))
+    return out

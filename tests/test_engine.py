@@ -9,6 +9,7 @@ import pytest
 import scipy.stats
 from chi_square import chi_square
 from engine_checks import check_released as _check_released
+from engine_checks import host_tier_twins, same_completions, scribble_free_pages
 from engine_checks import prompts as _prompts
 from flax import nnx
 
@@ -488,12 +489,28 @@ def test_host_tier_reload_gives_the_same_completions(target):
     prompts = _prompts(14, [41, 26])
     sp = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=4)
     first = eng.generate(prompts, sp)
-    moved = eng.prefix.offload_lru(64, eng.kv["k"], eng.kv["v"])
+    moved = eng.offload_prefix(64)
     assert moved > 0 and eng.stats()["prefix_cache"]["host_pages"] == moved
+    scribble_free_pages(eng)  # the reload must bring the contents back, not find them still there
     second = eng.generate(prompts, sp)
     assert eng.stats()["prefix_cache"]["reloads"] > 0
     assert [c.tokens for c in second] == [c.tokens for c in first]
     _check_released(eng)
+    with pytest.raises(ValueError, match="engine.host_cache_pages > 0"):
+        Engine(cfg, params, ECFG).offload_prefix(1)
+
+
+def test_host_tier_moves_the_draft_models_pages(target, small_drafter):
+    """With a ModelDrafter a page is also the draft model's K/V at the same index: a reload that left them
+    behind would draft from scribbled pages, and at T=1 the tokens and acceptance would change."""
+    cfg, _, params = target
+    prompts = _prompts(16, [41, 26])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=5)
+    (host, host_counts), (twin, twin_counts) = host_tier_twins(
+        cfg, params, ECFG, prompts, sp, lambda: ModelDrafter(small_drafter.cfg, small_drafter.params)
+    )
+    same_completions(host, twin)
+    assert host_counts == twin_counts and twin_counts["proposed_tokens"] > 0
 
 
 def test_errors_name_the_field(target, engine):

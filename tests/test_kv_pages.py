@@ -206,33 +206,49 @@ def test_pool_reclaims_idle_cache_pages_and_fails_atomically():
 
 
 def _random_pool(rng, num_pages, page):
-    k_pages_KPLH = jnp.asarray(rng.normal(size=(2, num_pages, page, 8)), jnp.float32)
-    return k_pages_KPLH, -k_pages_KPLH
+    """Named page arrays (page axis 1) of different row counts, widths and dtypes, as an engine's caches
+    are: K/V of 2 kv heads, one MLA-like latent row, an int8 routing record of 3 layers x top-2."""
+    return {
+        "kv/k": jnp.asarray(rng.normal(size=(2, num_pages, page, 8)), jnp.float32),
+        "kv/v": jnp.asarray(rng.normal(size=(2, num_pages, page, 8)), jnp.float32),
+        "mtp_kv/latent": jnp.asarray(rng.normal(size=(1, num_pages, page, 5)), jnp.bfloat16),
+        "kv/experts": jnp.asarray(rng.integers(0, 8, size=(3, num_pages, page, 2)), jnp.int8),
+    }
+
+
+def _pages(arrays, pages):
+    return {name: np.asarray(a[:, pages]) for name, a in arrays.items()}
 
 
 def test_host_tier_round_trip_restores_pages_and_skips_referenced_pages():
     pool, table, cache = _setup(num_pages=8, capacity=8, host_capacity=4)
-    k_pages, v_pages = _random_pool(np.random.default_rng(0), 8, PAGE)
+    arrays = _random_pool(np.random.default_rng(0), 8, PAGE)
     tokens = list(range(3 * PAGE))
     _prefill(table, cache, 0, tokens)
     old = table.pages(0)
     table.fork(0, 1)
     table.free(0)
     table.truncate(1, PAGE)  # seq 1 keeps the first block referenced
-    want_k, want_v = np.asarray(k_pages[:, old]), np.asarray(v_pages[:, old])
+    want = _pages(arrays, old)
     assert cache.offload_candidates(8) == [old[2], old[1]]  # idle blocks only, deepest (least recent) first
     with pytest.raises(ValueError, match="only the cache"):
-        cache.offload(old[:1], want_k[:, :1], want_v[:, :1])
-    assert cache.offload_lru(8, k_pages, v_pages) == 2
+        cache.offload(old[:1], {name: x[:, :1] for name, x in want.items()})
+    assert cache.offload_lru(8, arrays) == 2
     assert pool.refcount(old[1]) == pool.refcount(old[2]) == 0
     cache.check()
-    # Reuse the freed pages with other data, then reload.
-    k_pages, v_pages = kvp.scatter_pages(k_pages, v_pages, old[1:], -want_k[:, 1:], want_k[:, 1:])
+    # Reuse the freed pages with other data (every array), then reload.
+    other = _random_pool(np.random.default_rng(1), 8, PAGE)
+    arrays = kvp.scatter_pages(arrays, old[1:], _pages(other, old[1:]))
+    assert all(not np.array_equal(np.asarray(arrays[n][:, old[1:]]), want[n][:, 1:]) for n in want)
     hit = cache.lookup(tokens)
     assert hit.num_tokens == 3 * PAGE and hit.pages[0] == old[0] and hit.reload.pages == hit.pages[1:]
-    k_pages, v_pages = hit.reload.apply(k_pages, v_pages)
-    np.testing.assert_array_equal(np.asarray(k_pages[:, hit.pages]), want_k)
-    np.testing.assert_array_equal(np.asarray(v_pages[:, hit.pages]), want_v)
+    arrays = hit.reload.apply(arrays)
+    got = _pages(arrays, hit.pages)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert arrays[name].dtype == want[name].dtype
+    with pytest.raises(ValueError, match="host pages of"):
+        kvp.scatter_pages(arrays, old[1:], {"kv/k": want["kv/k"][:, 1:]})
     stats = cache.stats()
     assert (stats["offloads"], stats["reloads"], stats["host_pages"]) == (2, 2, 0)
     pool.check(extra=hit.pages)
@@ -241,13 +257,16 @@ def test_host_tier_round_trip_restores_pages_and_skips_referenced_pages():
 
 
 def test_copy_pages_and_gather_helpers():
-    k_pages, v_pages = _random_pool(np.random.default_rng(1), 8, PAGE)
-    want_k, want_v = kvp.gather_pages(k_pages, v_pages, [3, 5, 6])
-    assert want_k.shape == (2, 3, PAGE, 8) and isinstance(want_k, np.ndarray)
-    k_pages, v_pages = kvp.copy_pages(k_pages, v_pages, [(3, 1), (5, 2), (6, 4)])
-    got_k, got_v = kvp.gather_pages(k_pages, v_pages, [1, 2, 4])
-    np.testing.assert_array_equal(got_k, want_k)
-    np.testing.assert_array_equal(got_v, want_v)
+    arrays = _random_pool(np.random.default_rng(1), 8, PAGE)
+    want = kvp.gather_pages(arrays, [3, 5, 6])
+    assert want["kv/k"].shape == (2, 3, PAGE, 8) and isinstance(want["kv/k"], np.ndarray)
+    assert want["kv/experts"].shape == (3, 3, PAGE, 2) and want["kv/experts"].dtype == np.int8
+    for name, x in want.items():  # the listed pages, in order
+        np.testing.assert_array_equal(x, np.asarray(arrays[name])[:, [3, 5, 6]])
+    arrays = kvp.copy_pages(arrays, [(3, 1), (5, 2), (6, 4)])
+    got = kvp.gather_pages(arrays, [1, 2, 4])
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 class _Model:
@@ -278,7 +297,7 @@ class _Model:
             prompt = shared + rng.integers(2, size=rng.integers(1, 6)).tolist()
             hit = self.cache.lookup(prompt[:-1])
             if hit.reload.pages:
-                self.store_PL[hit.reload.pages] = hit.reload.k_KNLH[0, :, :, 0]
+                self.store_PL[hit.reload.pages] = hit.reload.host["k"][0, :, :, 0]
             assert (self.store_PL[hit.pages].reshape(-1) == prompt[: hit.num_tokens]).all()
             seq = self.next_id
             self.next_id += 1
@@ -311,7 +330,7 @@ class _Model:
         else:
             pages = self.cache.offload_candidates(int(rng.integers(1, 4)))
             host_KNLH = self.store_PL[pages][None, :, :, None]
-            self.cache.offload(pages, host_KNLH, host_KNLH)
+            self.cache.offload(pages, {"k": host_KNLH, "v": host_KNLH})
 
     def verify(self):
         self.table.check()
@@ -347,14 +366,15 @@ def test_forked_sequences_paged_attention_equals_contiguous():
     kv, n, h, num_pages = 2, 4, 8, 12
     pool, table, _ = _setup(num_pages=num_pages)
     k_pages = jnp.full((kv, num_pages, PAGE, h), jnp.nan, jnp.float32)
-    v_pages = k_pages
+    v_pages = jnp.full((kv, num_pages, PAGE, h), jnp.nan, jnp.float32)
     contiguous = {}
 
     def write(seq, num):
         nonlocal k_pages, v_pages
         k_TKH, v_TKH = rng.normal(size=(2, num, kv, h)).astype(np.float32)
         out = table.append_tokens(seq, num)
-        k_pages, v_pages = kvp.copy_pages(k_pages, v_pages, out.copies)
+        copied = kvp.copy_pages({"k": k_pages, "v": v_pages}, out.copies)
+        k_pages, v_pages = copied["k"], copied["v"]
         pages_T, slots_T = (np.array(x) for x in zip(*out.writes))
         k_pages = k_pages.at[:, pages_T, slots_T].set(np.swapaxes(k_TKH, 0, 1))
         v_pages = v_pages.at[:, pages_T, slots_T].set(np.swapaxes(v_TKH, 0, 1))

@@ -2,14 +2,18 @@
 kv_lora_rank + qk_rope_head_dim per token per layer), absorbed prefill and decode, gives the full forward's
 greedy tokens and log-probs (sigmoid router with a random nonzero selection bias, carried by the engine)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_checks import host_tier_twins, same_completions
 from flax import nnx
 
 import model
 from configs import tiny
+from inference import MTPDrafter
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
 from model import mla
@@ -76,3 +80,25 @@ def test_greedy_equals_full_forward(target):
         tokens, raw = naive(prompt, 10)
         assert out.tokens == tokens
         np.testing.assert_allclose(out.raw_logprobs, raw, atol=1e-5)
+
+
+def test_host_tier_moves_latent_routing_and_mtp_pages():
+    """DeepSeek-V3's layout with the host tier: a cached prefix block moved to the host and reloaded brings
+    back every array indexed by its page (the latent K/V, the routing record, the MTP drafter's latent
+    pages); with the free pages scribbled over in between, the second run equals a twin's without a host
+    tier (its prefix hit on device): tokens, log-probs, routing and the drafter's acceptance (at T=1 a draft
+    from a scribbled MTP page would change both)."""
+    cfg = _mla_cfg()
+    cfg.model.mtp_layers = 1
+    m = model.build(cfg, seed=3)
+    params = nnx.state(m, (nnx.Param, ExpertBias))
+    ecfg = dataclasses.replace(ECFG, record_routing=True)
+    rng = np.random.default_rng(5)
+    system = rng.integers(1, 256, 24).tolist()
+    prompts = [system + rng.integers(1, 256, n).tolist() for n in (3, 9)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=6)
+    (host, host_counts), (twin, twin_counts) = host_tier_twins(cfg, params, ecfg, prompts, sp, MTPDrafter)
+    same_completions(host, twin)
+    for a, b in zip(host, twin):
+        np.testing.assert_array_equal(a.expert_indices, b.expert_indices)
+    assert host_counts == twin_counts and twin_counts["proposed_tokens"] > 0

@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from engine_checks import scribble_free_pages
 from flax import nnx
 
 import model
@@ -124,6 +125,24 @@ def test_record_with_prefix_cache_hits(engine, plain_routing):
     assert _mismatches(plain_routing, prompts, first + second) == 0
 
 
+def test_record_moves_with_the_host_tier(target, plain_routing):
+    """A prefix block moved to the host tier takes its routing rows along: after the free pages are
+    scribbled over, the reloaded contexts' records still equal the plain forward's."""
+    cfg, _, params = target
+    eng = Engine(cfg, params, dataclasses.replace(ECFG, host_cache_pages=32))
+    system = _prompts(6, [24])[0]
+    prompts = [system + p for p in _prompts(7, [3, 17])]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=4)
+    first = eng.generate(prompts, sp)
+    assert eng.offload_prefix(64) > 0
+    scribble_free_pages(eng, seed=1)
+    second = eng.generate(prompts, sp)
+    assert eng.stats()["prefix_cache"]["reloads"] >= 3  # the 24-token system prompt's three pages
+    assert [c.tokens for c in second] == [c.tokens for c in first]
+    assert _mismatches(plain_routing, prompts, second) == 0
+    _check_released(eng)
+
+
 def test_record_with_preemption(target, plain_routing):
     cfg, _, params = target
     prompts = _prompts(3, [30, 31, 29, 28])
@@ -168,5 +187,3 @@ def test_off_by_default_and_dense_models(target, engine):
     dense = Engine(dense_cfg, nnx.state(model.build(dense_cfg), nnx.Param), ECFG)
     out = dense.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0]
     assert out.expert_indices.shape == (0, 7, 2)  # no MoE layer: L_moe = 0
-    with pytest.raises(ValueError, match="engine.host_cache_pages=8 must be 0 with engine.record_routing"):
-        dataclasses.replace(ECFG, host_cache_pages=8)
