@@ -59,6 +59,9 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1.")
+        for name, low in (("num_pages", 0), ("host_cache_pages", 0), ("prefix_cache_pages", -1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"engine.{name}={getattr(self, name)} must be >= {low}.")
         for name in ("prefill_chunk", "prefill_batch", "min_prefill_batch", "min_bucket", "score_batch"):
             value = getattr(self, name)
             if value & (value - 1):

@@ -376,6 +376,17 @@ def main() -> None:
     page_size = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
     prefill_chunk = flags.DEFINE_integer("prefill_chunk", 256, "Longest prefill call (a power of two).")
     prefill_batch = flags.DEFINE_integer("prefill_batch", 4, "Rows per prefill call (a power of two).")
+    num_pages = flags.DEFINE_integer(
+        "num_pages", 0, "KV pages per engine (0: enough for max_batch full sequences and the prefix cache)."
+    )
+    prefix_cache_pages = flags.DEFINE_integer(
+        "prefix_cache_pages", -1, "Device pages the prefix cache may keep (-1: the engine's default; 0: off)."
+    )
+    host_cache_pages = flags.DEFINE_integer(
+        "host_cache_pages",
+        0,
+        "Host-memory pages for cold prefix blocks, e.g. long shared system prompts (0: off).",
+    )
     max_queue = flags.DEFINE_integer(
         "max_queue", 64, "Sequences that may wait beyond the decode slots (429 past)."
     )
@@ -416,6 +427,9 @@ def main() -> None:
             prefill_chunk=prefill_chunk.value,
             prefill_batch=prefill_batch.value,
             num_draft=num_draft.value,
+            num_pages=num_pages.value,
+            prefix_cache_pages=prefix_cache_pages.value,
+            host_cache_pages=host_cache_pages.value,
         )
         server = Server.build(
             loaded,

@@ -293,6 +293,8 @@ class EngineLoop:
             "prefix_lookups": prefix.get("lookups", 0),
             "prefix_lookup_tokens": prefix.get("lookup_tokens", 0),
             "prefix_hit_tokens": prefix.get("hit_tokens", 0),
+            "prefix_host_offloads": prefix.get("offloads", 0),
+            "prefix_host_reloads": prefix.get("reloads", 0),
             "draft_proposed_tokens": s.get("proposed_tokens", 0),
             "draft_accepted_tokens": s.get("accepted_tokens", 0),
         }

@@ -80,7 +80,7 @@ class LoopMetrics:
 def render(models: Mapping[str, tuple[LoopMetrics, Mapping]], rejected: Mapping[int, int]) -> str:
     """The exposition text: `models` maps a model name to (its metrics, a snapshot of the engine loop's
     gauges: queue_depth, running, prefix_lookups, prefix_lookup_tokens, prefix_hit_tokens,
-    draft_proposed_tokens, draft_accepted_tokens)."""
+    prefix_host_offloads, prefix_host_reloads, draft_proposed_tokens, draft_accepted_tokens)."""
     now = time.monotonic()
     blocks: dict[str, tuple[str, str, list[str]]] = {}
 
@@ -136,6 +136,8 @@ def render(models: Mapping[str, tuple[LoopMetrics, Mapping]], rejected: Mapping[
             ("prefix_lookups", "prefix-cache lookups"),
             ("prefix_hit_tokens", "prompt tokens whose K/V came from the prefix cache"),
             ("prefix_lookup_tokens", "prompt tokens looked up in the prefix cache"),
+            ("prefix_host_offloads", "prefix-cache pages moved to the host tier (engine.host_cache_pages)"),
+            ("prefix_host_reloads", "prefix-cache pages brought back from the host tier"),
             ("draft_proposed_tokens", "draft tokens proposed (fast variant)"),
             ("draft_accepted_tokens", "draft tokens the target accepted (fast variant)"),
         ):

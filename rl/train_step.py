@@ -114,7 +114,8 @@ def reference_weights(state: TrainState, dtype: str = "") -> nnx.State:
 
 
 class ModelDef(NamedTuple):
-    """The static half of the model: graph definition plus non-parameter state (constant in training)."""
+    """The static half of the model: graph definition plus the non-parameter state it was built with (its own
+    copy; the train state carries the current one, e.g. selection biases the steps move)."""
 
     graphdef: nnx.GraphDef
     rest: nnx.State

@@ -525,6 +525,12 @@ def test_errors_name_the_field(target, engine):
         EngineConfig(prefill_chunk=48)
     with pytest.raises(ValueError, match="engine.scheduler='fifo'"):
         EngineConfig(scheduler="fifo")
+    with pytest.raises(ValueError, match="engine.host_cache_pages=-1 must be >= 0"):
+        EngineConfig(host_cache_pages=-1)
+    with pytest.raises(ValueError, match="engine.prefix_cache_pages=-2 must be >= -1"):
+        EngineConfig(prefix_cache_pages=-2)
+    with pytest.raises(ValueError, match="engine.num_pages=-4 must be >= 0"):
+        EngineConfig(num_pages=-4)
     with pytest.raises(ValueError, match="unknown fields \\['max_bach'\\]"):
         EngineConfig.from_config({"max_bach": 4})
     big = tiny.get_config("dense")

@@ -170,6 +170,8 @@ def test_models_health_and_metrics(live, client):
         "serve_tokens_per_second",
         "serve_prefix_lookup_tokens_total",
         "serve_prefix_hit_tokens_total",
+        "serve_prefix_host_offloads_total",
+        "serve_prefix_host_reloads_total",
     ):
         assert f'{name}{{model="tiny"}}' in text
     ttft = re.search(r'serve_time_to_first_token_seconds_count\{model="tiny"\} (\d+)', text)
@@ -703,6 +705,8 @@ def test_cli_serves_a_run(run_dir):
         "--max_seq_len=96",
         "--page_size=8",
         "--prefill_chunk=32",
+        "--num_pages=64",
+        "--host_cache_pages=16",
     ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
