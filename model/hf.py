@@ -295,7 +295,7 @@ def _check(
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
     ignorable = {n for n in present if n.endswith(_IGNORED_SUFFIXES)} | set(not_read)
     ignorable |= {n for n in present if n.endswith(_SCALE_SUFFIX) and n[: -len(_SCALE_SUFFIX)] in expected}
-    # MTP modules (stored as decoder layers after the last one) are not part of our model yet.
+    # MTP modules past model.mtp_layers (stored as decoder layers after the last one) are left unread.
     ignorable |= {n for n in present for i in ignored_layers if n.startswith(_LAYER.format(layer=i))}
     if tied:
         ignorable.add("lm_head.weight")  # some tied checkpoints also store the (identical) output matrix
