@@ -283,7 +283,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         pipe = pipeline.Pipeline(
             produce, asynchronous=rl.async_rollout, max_staleness=rl.max_staleness, max_queue=rl.max_queue
         )
-        step, spec_before = start_step, _spec_counts(engine)
+        step, counts_before = start_step, _engine_counts(engine)
         try:
             while step < rl.steps:
                 if distributed.any_process(handle.requested):
@@ -311,9 +311,11 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 step_metrics.update(item.metrics)
                 step_metrics.update(source.update_curriculum(step, item.domains))
                 if step % rl.log_every == 0 or step == rl.steps:
-                    spec_now = _spec_counts(engine)
-                    step_metrics.update(_spec_metrics(spec_before, spec_now))
-                    spec_before = spec_now
+                    counts_now = _engine_counts(engine)
+                    step_metrics.update(
+                        _engine_metrics(counts_before, counts_now, rl.engine.host_cache_pages > 0)
+                    )
+                    counts_before = counts_now
                     logger.log(step, step_metrics)
                     if primary:
                         _log_samples(workdir, step, item.samples)
@@ -678,20 +680,40 @@ def _rollout_metrics(counts, stats, drawn, samples) -> dict[str, float]:
     return out
 
 
-_SPEC_COUNTS = ("generated_tokens", "target_row_forwards", "proposed_tokens", "accepted_tokens")
+_ENGINE_COUNTS = (
+    "generated_tokens",
+    "target_row_forwards",
+    "proposed_tokens",
+    "accepted_tokens",
+    "preemptions",
+)
+_PREFIX_COUNTS = ("lookup_tokens", "hit_tokens", "offloads", "reloads")
 
 
-def _spec_counts(engine) -> dict[str, float]:
+def _engine_counts(engine) -> dict[str, float]:
+    """The engine's running counters (this process's engine) that `_engine_metrics` turns into rates."""
     stats = engine.stats()
-    return {k: float(stats.get(k, 0)) for k in _SPEC_COUNTS}
+    prefix = stats.get("prefix_cache", {})
+    out = {k: float(stats.get(k, 0)) for k in _ENGINE_COUNTS}
+    out.update({f"prefix_{k}": float(prefix.get(k, 0)) for k in _PREFIX_COUNTS})
+    return out
 
 
-def _spec_metrics(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
-    """Tokens per target forward and draft acceptance since the last log line."""
-    d = {k: now[k] - before[k] for k in _SPEC_COUNTS}
-    out = {"engine/tokens_per_target_forward": d["generated_tokens"] / max(d["target_row_forwards"], 1.0)}
+def _engine_metrics(before: dict[str, float], now: dict[str, float], host_tier: bool) -> dict[str, float]:
+    """Since the last log line: tokens per target forward, draft acceptance, the prefix cache's hit rate
+    (prompt tokens whose K/V it held over those looked up: the groups' shared prompts, a multi-turn episode's
+    earlier turns), preemptions, and with a host tier the pages it moved out and back."""
+    d = {k: now[k] - before[k] for k in now}
+    out = {
+        "engine/tokens_per_target_forward": d["generated_tokens"] / max(d["target_row_forwards"], 1.0),
+        "engine/preemptions": d["preemptions"],
+    }
     if d["proposed_tokens"]:
         out["engine/acceptance_rate"] = d["accepted_tokens"] / d["proposed_tokens"]
+    if d["prefix_lookup_tokens"]:
+        out["engine/prefix_hit_rate"] = d["prefix_hit_tokens"] / d["prefix_lookup_tokens"]
+    if host_tier:
+        out["engine/host_offloads"], out["engine/host_reloads"] = d["prefix_offloads"], d["prefix_reloads"]
     return out
 
 

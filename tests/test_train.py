@@ -35,6 +35,8 @@ def test_train_end_to_end(tmp_path):
     for r in steps:
         assert np.isfinite(r["train/loss"]) and 0.0 < r["reward"] < 1.0  # groups with a signal
         assert r["weight/debug"] == 1.0 and r["pipeline/staleness"] == 0.0
+        assert r["engine/preemptions"] == 0.0 and 0.0 <= r["engine/prefix_hit_rate"] <= 1.0
+        assert "engine/host_offloads" not in r  # no host tier in this config
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]  # every 2 steps; max_to_keep 2
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["rl"]["domains"] == ["debug"]
@@ -55,6 +57,42 @@ def test_train_end_to_end(tmp_path):
         again = train.train(cfg, str(tmp_path), run_eval=False)
     assert again["steps"] == 4 and again["engine"]["compiles"] == 0
     assert [r["step"] for r in _records(tmp_path) if "train/loss" in r] == [1, 2, 3, 4]
+
+
+def test_engine_metrics_are_rates_since_the_last_log_line():
+    """`rl.train._engine_metrics` on counters made up by hand: 30 tokens over 20 target forwards, 6 of 8
+    drafts accepted, 24 of 64 looked-up prompt tokens from the prefix cache, 1 preemption; the host tier's
+    moves only when it is on."""
+    from rl import train
+
+    names = ("generated_tokens", "target_row_forwards", "proposed_tokens", "accepted_tokens", "preemptions")
+    names += ("prefix_lookup_tokens", "prefix_hit_tokens", "prefix_offloads", "prefix_reloads")
+    before = dict.fromkeys(names, 10.0)
+    now = dict(before)
+    now.update(
+        generated_tokens=40.0,
+        target_row_forwards=30.0,
+        proposed_tokens=18.0,
+        accepted_tokens=16.0,
+        preemptions=11.0,
+        prefix_lookup_tokens=74.0,
+        prefix_hit_tokens=34.0,
+        prefix_offloads=13.0,
+        prefix_reloads=12.0,
+    )
+    assert train._engine_metrics(before, now, host_tier=True) == {
+        "engine/tokens_per_target_forward": 1.5,
+        "engine/preemptions": 1.0,
+        "engine/acceptance_rate": 0.75,
+        "engine/prefix_hit_rate": 0.375,
+        "engine/host_offloads": 3.0,
+        "engine/host_reloads": 2.0,
+    }
+    # Nothing proposed and nothing looked up: no rate to give; no host tier: no moves.
+    assert train._engine_metrics(before, before, host_tier=False) == {
+        "engine/tokens_per_target_forward": 0.0,
+        "engine/preemptions": 0.0,
+    }
 
 
 def _final_params(workdir):
