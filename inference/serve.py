@@ -344,6 +344,15 @@ def main() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
+    from configs import cli
+
+    given = cli.config_given(sys.argv)
+    cli.take_block_overrides(sys.argv, every=not given)  # --config.rl.<block>.<key>=... (configs/cli.py)
+    if not given and cli.taken():  # --workdir / --hf_dir: the model is the run's or the checkpoint's
+        raise SystemExit(
+            f"--config.{cli.taken()[0][0]}: config overrides need --config (a run or a checkpoint is served "
+            "as saved)"
+        )
     if any(arg.lstrip("-").startswith("workdir") for arg in sys.argv[1:]):
         # Restoring a run imports rl.train, whose module defines --config and --workdir: import it first and
         # let ours replace them (as rl.evaluate's CLI does).
@@ -413,7 +422,7 @@ def main() -> None:
         else:
             path = config_flags.get_config_filename(flags.FLAGS["config"])
             loaded = load_random(
-                config.value,
+                cli.with_block_overrides(config.value),
                 name=_config_name(path),
                 seed=seed.value,
                 tokenizer=tokenizer.value,

@@ -365,6 +365,12 @@ def main() -> None:
 
     # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
     # import it first, and let ours replace its --config and --workdir.
+    from configs import cli
+
+    # Before rl.train's --config (its default config file is read, with the overrides, when it is defined).
+    # Without --config every override applies to the run's config.json (configs/cli.py), e.g.
+    # --config.rl.env.math.test_jsonl=other.jsonl
+    cli.take_block_overrides(sys.argv, every=not cli.config_given(sys.argv))
     from rl import train  # noqa: F401
 
     config = config_flags.DEFINE_config_file(
@@ -385,9 +391,12 @@ def main() -> None:
     def _main(argv: Sequence[str]) -> None:
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        cfg = config.value
+        if cfg is None and cli.taken():
+            cfg = load_run_config(workdir.value)
         report = run(
             workdir.value,
-            cfg=config.value,
+            cfg=cli.with_block_overrides(cfg),
             domains=domains.value,
             n_tasks=n_tasks.value,
             k=k.value,

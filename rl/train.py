@@ -44,6 +44,10 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from configs import cli
+
+if __name__ == "__main__":  # before --config: with no --config its default is read (and overridden) here
+    cli.take_block_overrides(sys.argv)  # --config.rl.levels.math=... (configs/cli.py)
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py:tiny", "GRPO config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, eval).")
 _SFT_ONLY = flags.DEFINE_boolean("sft_only", False, "Run the SFT warm start, save it, and stop.")
@@ -776,7 +780,8 @@ def main(argv: Sequence[str]) -> int:
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required (checkpoints, metrics and eval results go there).")
     quiet_console(_WORKDIR.value)
-    train(_CONFIG.value, _WORKDIR.value, sft_only=_SFT_ONLY.value, run_eval=_EVAL.value)
+    cfg = cli.with_block_overrides(_CONFIG.value)  # --config.rl.levels.math=... (configs/cli.py)
+    train(cfg, _WORKDIR.value, sft_only=_SFT_ONLY.value, run_eval=_EVAL.value)
     return 0
 
 
