@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+import test_train
+import xla_env
 
 from configs import cli, grpo, schema
 from rl import validate
@@ -109,13 +111,7 @@ def test_override_errors_name_the_flag():
 def test_main_job_takes_block_overrides_from_its_command_line(tmp_path):
     """`python -m rl.train` with block keys the test config does not have: the run's config.json has them
     (no SFT or GRPO steps: the overrides are read before any work)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "rl.train",
-        "--config=configs/grpo.py:test",
-        f"--workdir={tmp_path}",
-        "--eval=false",
+    cmd = test_train._command(tmp_path) + [
         "--config.rl.steps=0",
         "--config.rl.sft.steps=0",
         "--config.rl.levels.debug=(0,)",
@@ -123,7 +119,9 @@ def test_main_job_takes_block_overrides_from_its_command_line(tmp_path):
         "0.002",
         "--config.rl.env.debug.delay_median_s=0.0",
     ]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_env.child_flags(1))
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(ROOT, ".jax_cache")
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     with open(tmp_path / "config.json") as f:
         rl = json.load(f)["rl"]
     assert rl["levels"] == {"debug": [0]}
