@@ -25,7 +25,8 @@ Phases (generate, reward, rollout bookkeeping, advantages + batch, reference log
 sync) end with `jax.block_until_ready` on their outputs, so a phase's time is its own (the reference
 log-probs are timed inside the update: `timed_update`); the step is their sum plus the loop's glue. The
 engine compiles in `warmup()` before the first step, as in the main job: `step_s_first` excludes it,
-`step_s_first_incl_warmup` adds it.
+`step_s_first_incl_warmup` adds it. `phase_s_all` lists every step's phases of 5 ms or more (on a shared VM a
+step's time can move by a third between runs: it shows which phase moved).
 
 Per arch one `grpo_step` line (ours), then with --tunix_python one `grpo_step_tunix` line (the peer's JSON,
 same dims and steps, run right after ours so both see the same machine load) and one `grpo_step_compare`
@@ -356,6 +357,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
         }
         if steps
         else None,
+        "phase_s_all": [{k: round(v, 4) for k, v in p.items() if v >= 0.005} for p in per_step],
         "train_mfu": mfu,
         "generated_tokens_mean": [r["generated_tokens_mean"] for r in records],
         "stop_fraction_max": max(r["stop_fraction"] for r in records),
