@@ -88,8 +88,9 @@ POOL = textwrap.dedent(
         return " ".join(sorted(glob.glob(os.path.join(tempfile.gettempdir(), "sandboxes-*"))))
 
     if __name__ == "__main__":
-        # forkserver workers, as in rl.train; each makes the code domain, whose zygote makes its root
-        with EnvPool(1, domains=["code", "debug"], timeout_s=1.0, term_grace_s=0.3) as pool:
+        # forkserver workers, as in rl.train; each makes the code domain, whose zygote makes its root. The
+        # default SIGTERM grace (1 s): with 0.3 s a loaded suite once SIGKILLed a worker still cleaning up.
+        with EnvPool(1, domains=["code", "debug"], timeout_s=1.0) as pool:
             print(roots(), flush=True)
             for hang in ("sleep:30", "stubborn:30"):  # past the timeout: SIGTERM; ignored: SIGKILL
                 score = pool.score_many([(Task("t", "debug", "Reply with: ok"), hang)])[0]
