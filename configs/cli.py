@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import ml_collections
 
+from configs import schema
+
 _TAKEN: list[tuple[str, str]] = []  # (dotted path under the config, raw value), in command-line order
 
 
@@ -69,7 +71,8 @@ def taken() -> list[tuple[str, str]]:
 
 
 def literal(text: str):
-    """A command-line value as config_flags reads an untyped one: a Python literal, else the string."""
+    """A command-line value as config_flags reads an untyped one: a Python literal, else the string (the
+    rule of ml_collections' private `config_flags._LiteralParser`)."""
     if text in ("true", "false"):
         return text == "true"
     try:
@@ -92,18 +95,10 @@ def with_block_overrides(
         )
     with cfg.unlocked():
         for path, raw in overrides:
-            *parents, leaf = path.split(".")
-            node = cfg
-            for i, key in enumerate(parents):
-                if key not in node:
-                    node[key] = ml_collections.ConfigDict()
-                node = node[key]
-                if not isinstance(node, ml_collections.ConfigDict):
-                    where = ".".join(parents[: i + 1])
-                    raise SystemExit(f"--config.{path}: config.{where} is {node!r}, not a block of keys")
-            value = literal(raw)
             try:
-                node[leaf] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+                schema.set_path(cfg, path, literal(raw))
+            except ValueError as e:
+                raise SystemExit(f"--config.{path}: config.{e}") from None
             except TypeError as e:  # the key exists with a value of another type
                 raise SystemExit(f"--config.{path}={raw}: {e}") from None
     return cfg

@@ -253,11 +253,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     rl = cfg.rl = schema.build(RL)
     if name == "small":
         for dotted, value in SMALL.items():
-            *parents, leaf = dotted.split(".")
-            node = rl
-            for p in parents:
-                node = node[p]
-            node[leaf] = value
+            schema.set_path(rl, dotted, value)
     cfg.batch_size = rl.prompts_per_step * rl.group_size
     cfg.seq_len = rl.max_prompt_len + rl.max_new_tokens
     return cfg

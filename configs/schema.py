@@ -172,17 +172,25 @@ def registered(registry: Mapping, *extra: str) -> Callable[[], tuple]:
     return lambda: tuple(sorted([*registry, *extra]))
 
 
+def set_path(root: ml_collections.ConfigDict, dotted: str, value) -> None:
+    """Sets `root.<dotted>` to `value`, making the missing blocks on the way; ValueError if a node on the
+    way is not a ConfigDict, ml_collections' TypeError if the field exists with a value of another type."""
+    *parents, leaf = dotted.split(".")
+    node = root
+    for i, key in enumerate(parents):
+        if key not in node:
+            node[key] = ml_collections.ConfigDict()
+        node = node[key]
+        if not isinstance(node, ml_collections.ConfigDict):
+            raise ValueError(f"{'.'.join(parents[: i + 1])} is {node!r}, not a block of keys")
+    node[leaf] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+
+
 def build(table: Mapping[str, Field]) -> ml_collections.ConfigDict:
     """The ConfigDict of a table's defaults (dotted names make nested blocks)."""
     root = ml_collections.ConfigDict()
     for name, f in table.items():
-        *parents, leaf = name.split(".")
-        node = root
-        for p in parents:
-            if p not in node:
-                node[p] = ml_collections.ConfigDict()
-            node = node[p]
-        node[leaf] = ml_collections.ConfigDict(f.default) if f.kind == "block" else f.default
+        set_path(root, name, f.default)
     return root
 
 

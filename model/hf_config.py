@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import base
+from configs import base, schema
 
 # architecture -> (model_type, MoE tensor prefix inside a layer, expert (gate, up, down) names)
 ARCHITECTURES = {
@@ -56,11 +56,7 @@ def runtime_fields(m: ml_collections.ConfigDict) -> dict:
 def set_fields(m: ml_collections.ConfigDict, values: dict) -> None:
     """Sets the dotted model fields `values` in the model block `m`."""
     for name, value in values.items():
-        *parents, leaf = name.split(".")
-        node = m
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+        schema.set_path(m, name, value)
 
 
 def architecture_of(hf: dict) -> str:

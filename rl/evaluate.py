@@ -363,14 +363,14 @@ def main() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
-    # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
-    # import it first, and let ours replace its --config and --workdir.
     from configs import cli
 
     # Before rl.train's --config (its default config file is read, with the overrides, when it is defined).
     # Without --config every override applies to the run's config.json (configs/cli.py), e.g.
     # --config.rl.env.math.test_jsonl=other.jsonl
     cli.take_block_overrides(sys.argv, every=not cli.config_given(sys.argv))
+    # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
+    # import it first, and let ours replace its --config and --workdir.
     from rl import train  # noqa: F401
 
     config = config_flags.DEFINE_config_file(
