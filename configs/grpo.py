@@ -142,6 +142,12 @@ def _rl_table() -> dict:
         "env_timeout_s": Float(30.0, "seconds an environment step may take", lo=0, lo_open=True),
         "max_attempts": Int(4, "rollout rounds per batch to back-fill groups dropped by the filters", lo=1),
         "reward_tol": Float(1e-6, "rewards within this are equal for the zero-variance filter", lo=0),
+        "max_skipped_steps": Int(
+            20,
+            "stop (saved, with the cause and counts) after this many steps in a row without an update "
+            "(every group filtered out); 0: never",
+            lo=0,
+        ),
         "env": Block(
             "domain -> constructor kwargs (checked against its signature), e.g. rl.env.code.reward=fraction",
             {"code": {"reward": "all_or_nothing"}, "terminal": {"disturbance": False}},
@@ -162,10 +168,14 @@ def _rl_table() -> dict:
         "async_rollout": Bool(False, "overlap sampling with training (bounded staleness)"),
         "max_staleness": Int(1, "policy versions a batch may lag the trainer (async); 0: on-policy", lo=0),
         "max_queue": Int(2, "batches the producer may run ahead (async)", lo=1),
-        "checkpoint_every": Int(10, "steps between checkpoints (and on SIGTERM / Ctrl-C)", lo=1),
+        "checkpoint_every": Int(
+            10, "steps between checkpoints (SIGTERM / Ctrl-C save the current step too)", lo=1
+        ),
         "max_to_keep": Int(2, "checkpoints kept", lo=1),
         "log_every": Int(1, "steps between metric lines", lo=1),
-        "log_samples": Int(2, "episodes per logged step written to samples.jsonl (0: none)", lo=0),
+        "log_samples": Int(
+            2, "episodes per logged step written to samples.jsonl, kept and dropped ones each (0: none)", lo=0
+        ),
         "tensorboard": Bool(True, "TensorBoard events too, when tensorboardX is installed"),
         # --- decoding engine (inference.EngineConfig) and speculative drafts
         "engine.max_batch": Int(32, "decode slots (small: 64)", lo=1),

@@ -18,10 +18,12 @@ from typing import Any
 
 import ml_collections
 
+from configs.errors import UserError
+
 KINDS = ("int", "float", "bool", "str", "choice", "names", "ints", "block")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config value that cannot work; the message names the field and the fix."""
 
 

@@ -86,6 +86,7 @@ import threading
 import time
 import weakref
 
+from configs.errors import UserError
 from envs import cgroups, sandbox_plan, sandbox_root, sandbox_run
 from envs.sandbox_run import execute, zygote_pid
 
@@ -169,7 +170,7 @@ class Isolation:
         return dataclasses.asdict(self)
 
 
-class IsolationError(RuntimeError):
+class IsolationError(UserError, RuntimeError):
     """The sandbox here is weaker than a domain requires."""
 
 

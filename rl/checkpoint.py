@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
@@ -28,6 +29,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from configs.errors import UserError
 
 _RESERVED = "_checkpoint"  # meta key holding the model config summary (stripped from what restore returns)
 _one_writer_set = False
@@ -49,12 +52,18 @@ def one_writer_per_array() -> bool:
             handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
         except (ImportError, AttributeError, TypeError):  # another orbax layout
             return False
-        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+        absl_logger = logging.getLogger("absl")  # orbax warns that it replaces its own default: expected
+        level = absl_logger.level
+        absl_logger.setLevel(logging.ERROR)
+        try:
+            ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+        finally:
+            absl_logger.setLevel(level)
         _one_writer_set = True
     return _one_writer_set
 
 
-class ConfigMismatch(ValueError):
+class ConfigMismatch(UserError, ValueError):
     """The checkpoint was written for a model with other settings."""
 
 

@@ -52,12 +52,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from configs.errors import UserError
+
 MODES = ("adaptive", "static")
 _CONFIG = ("domains", "mode", "static_weights", "floor", "window", "half_life", "warmup", "z", "saturation_z",
            "max_step", "temperature", "token_cost", "sandbox_second_cost", "seed")  # fmt: skip
 
 
-class DomainRefused(ValueError):
+class DomainRefused(UserError, ValueError):
     """Domains that failed the environment quality gate; `.reasons` maps each refused domain to why."""
 
     def __init__(self, reasons: dict[str, str]):

@@ -276,7 +276,10 @@ def check_domains(cfg: Any, tokenizer: Any) -> None:
         split_kwargs(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    kwargs = env_kwargs(cfg)
+    try:
+        kwargs = env_kwargs(cfg)
+    except ValueError as e:  # an unknown domain or keyword in rl.env: the message names it
+        raise ConfigError(str(e)) from None
     for d in rl.domains:
         env = registry.make(d, **kwargs[d])
         levels = domain_levels(cfg, d)

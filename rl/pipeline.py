@@ -34,6 +34,7 @@ class RolloutBatch:
     metrics: dict[str, float]  # for dashboards
     domains: dict[str, Any] = dataclasses.field(default_factory=dict)  # domain -> rollout.DomainDraw
     samples: list[Any] = dataclasses.field(default_factory=list)  # a few episodes, for samples.jsonl
+    dropped: list[Any] = dataclasses.field(default_factory=list)  # a few the filters dropped, for it too
     generation_s: float = 0.0
 
 

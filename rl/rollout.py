@@ -570,7 +570,7 @@ def collect(
     reward_tol: float = 1e-6,
     shard: Any = None,
     **rollout_kwargs: Any,
-) -> tuple[list[Sample], dict[str, int], dict[str, DomainDraw]]:
+) -> tuple[list[Sample], dict[str, int], dict[str, DomainDraw], list[Sample]]:
     """Rolls out `next_tasks(k)` (k = groups still missing) round after round until `groups` valid groups
     (after `filter_samples`) are in or `max_attempts` rounds have run. Round 0 samples with
     `sampling.seed`, round a > 0 with `derive_seed(seed, "round", a)`. Returns the kept samples (group ids
@@ -578,12 +578,14 @@ def collect(
     `groups_collected`, `groups_missing` (0 when complete) and
     `surplus_groups` (valid groups beyond `groups`, from `next_tasks` returning more than asked, dropped),
     and per domain a `DomainDraw` over every sample drawn, filtered or not (the curriculum's reward and
-    compute: a kept-only reward would be biased toward 1/2).
+    compute: a kept-only reward would be biased toward 1/2), and the samples the filters dropped (for
+    samples.jsonl: what a step without a learning signal sampled).
 
     With `shard` (an `rl.distributed.TaskShard`, several processes), `groups` is this process's share: each
     round every process takes its part of one global draw (`shard.draw`, which also gives the global id of
     its first group) and the rounds go on while any process still misses groups (`shard.all_done`)."""
     kept: list[Sample] = []
+    dropped: list[Sample] = []
     counts: Counter[str] = Counter()
     drawn: dict[str, DomainDraw] = defaultdict(DomainDraw)
     have, next_group = 0, 0
@@ -619,9 +621,11 @@ def collect(
         room = set(sorted({s.group for s in good})[: groups - have])
         counts["surplus_groups"] += c["kept_groups"] - len(room)
         kept += [s for s in good if s.group in room]
+        taken = {id(s) for s in good}
+        dropped += [s for s in samples if id(s) not in taken]
         have += len(room)
     counts.update(groups_requested=groups, groups_collected=have, groups_missing=groups - have)
-    return kept, dict(counts), dict(drawn)
+    return kept, dict(counts), dict(drawn), dropped
 
 
 def sampling_params(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -40,11 +41,11 @@ from typing import Any
 
 import ml_collections
 import numpy as np
-from absl import app, flags
-from absl import logging as absl_logging
+from absl import flags
 from ml_collections import config_flags
 
 from configs import cli
+from configs.errors import UserError
 
 if __name__ == "__main__":  # before --config: with no --config its default is read (and overridden) here
     cli.take_block_overrides(sys.argv)  # --config.rl.levels.math=... (configs/cli.py)
@@ -79,23 +80,40 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     mesh = distributed.trainer_mesh(cfg)
     validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
     primary = distributed.is_primary()  # process 0 alone writes metrics, samples, evaluations, the table
-    os.makedirs(workdir, exist_ok=True)
+    say = _say if primary else lambda message: None
+    # The checkpoints' model config is checked before anything is written: a refused run changes nothing.
+    ckpt = checkpoint.Checkpointer(
+        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        save_every=rl.checkpoint_every,
+        max_to_keep=rl.max_to_keep,
+        model_config=cfg.model,
+        mesh=mesh,
+    )
+    try:
+        meta = ckpt.read_meta()
+    except BaseException:
+        ckpt.close()
+        raise
     if primary:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(cfg.to_json_best_effort(indent=2))
+        _write_config(workdir, cfg)
+    say(f"run {workdir}: " + ("new" if meta is None else _resume_note(meta, rl)))
     env_kwargs = data.env_kwargs(cfg)
 
     # ---- Environments: gate, pool (before JAX touches a device), task streams, curriculum -----------------
     domains = list(rl.domains)
-    if rl.quality_gate:
-        domains = curriculum.admit_domains(domains, gate=lambda d: qa.run_checks(d, n=rl.quality_gate_n))
-    pool = envs.EnvPool(
-        rl.env_workers, domains={d: env_kwargs.get(d, {}) for d in domains}, timeout_s=rl.env_timeout_s
-    )
-    phase = _Phase()
+    pool = logger = None
+    phase = _Phase(say)
     handle = checkpoint.install_preemption_handler(phase.on_signal)
-    logger = ckpt = None
     try:
+        if rl.quality_gate:
+            say(f"quality gate: {len(domains)} domain(s), {rl.quality_gate_n} tasks each")
+            domains = curriculum.admit_domains(
+                domains,
+                gate=lambda d: qa.run_checks(d, n=rl.quality_gate_n, env_kwargs=env_kwargs.get(d, {})),
+            )
+        pool = envs.EnvPool(
+            rl.env_workers, domains={d: env_kwargs.get(d, {}) for d in domains}, timeout_s=rl.env_timeout_s
+        )
         # The train split (rl.data.holdout / selection say which prompts are not in it), rl.levels, rl.env.
         streams = data.TaskMixer(
             {d: data.domain_stream(cfg, d, "train", env_kwargs.get(d, {})) for d in domains}
@@ -107,17 +125,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             if primary
             else metrics.NullLogger()
         )
-        ckpt = checkpoint.Checkpointer(
-            os.path.join(os.path.abspath(workdir), "checkpoints"),
-            save_every=rl.checkpoint_every,
-            max_to_keep=rl.max_to_keep,
-            model_config=cfg.model,
-            mesh=mesh,
-        )
 
         # ---- Train state: restore, or build (or load rl.init_from) and warm-start by SFT -------------------
         draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
-        meta = ckpt.read_meta()
         pretrained = _pretrained(cfg) if meta is None and rl.init_from else {}  # resumed: its own state
         model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed, **pretrained)
         draft_def, draft_state = (
@@ -127,6 +137,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             train_step.reference_weights(state, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
         )
         start_step, version, sft_done = 0, 0, 0
+        if meta is None and rl.sft.steps:
+            say(f"sft: {rl.sft.steps} warm-start steps")
         if meta is not None:
             sft_done = meta.get("sft_step", rl.sft.steps)
             in_sft = sft_done < rl.sft.steps
@@ -157,7 +169,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     0, _pack(state, None, draft_state), source.state(0, 0, sft_step=sft_done), force=True
                 )
                 ckpt.wait()
-                return {"steps": 0, "preempted": True}
+                return _stopped(say, workdir, handle, f"SFT step {sft_done} of {rl.sft.steps}", steps=0)
             model_def, state = train_step.init_state(
                 cfg, mesh=mesh, seed=rl.seed, params=state.params, model_state=state.model_state
             )
@@ -193,7 +205,10 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
         rows_here = cfg.batch_size // processes
         if steps_left:
+            say("compiling the engine and the GRPO update (the persistent cache makes restarts faster)")
+            t0 = time.perf_counter()
             _warm_up(cfg, engine, update, mesh, state, ref_params, rows_here)
+            say(f"compiled in {time.perf_counter() - t0:.1f} s")
         elif run_eval:  # the held-out evaluation still samples
             engine.warmup()
         distill = None if draft_cfg is None else train_step.make_sft_step(draft_cfg, draft_def, mesh=mesh)
@@ -207,6 +222,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             from rl import evaluate as evaluate_lib
 
             sampling = rollout.sampling_params(rl, tokenizer, seed=evaluate_lib.EVAL_SEED)
+            if handle.requested:  # a signal came while compiling: stop now, not after the evaluation
+                raise Preempted(handle.signum)
+            say(f"held-out evaluation ({tag}{', greedy' if greedy else ''}): {len(heldout)} domain(s)")
             with phase.interruptible():
                 results = evaluate_lib.evaluate(
                     engine,
@@ -237,7 +255,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 before = _read_json(workdir, "eval_before.json")
                 greedy_before = _read_json(workdir, "eval_before_greedy.json")
         except Preempted:
-            return {"steps": start_step, "preempted": True}
+            return _stopped(
+                say, workdir, handle, f"nothing new (checkpoint {start_step} holds the run)", steps=start_step
+            )
 
         # ---- The loop: batch -> update -> weights to the engine -> draft -> curriculum -> log -> checkpoint
         # Each process rolls out its share of every round's global task draw (rl.distributed.TaskShard)
@@ -246,7 +266,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         def produce() -> pipeline.RolloutBatch:
             seed = rollout.derive_seed(rl.seed, "batch", source.next_batch_index())
             version_now = engine.version
-            samples, counts, drawn = rollout.collect(
+            samples, counts, drawn, dropped = rollout.collect(
                 engine,
                 pool,
                 source.next_tasks,
@@ -281,6 +301,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 _rollout_metrics(counts, stats, drawn, samples),
                 domains=drawn,
                 samples=samples[: rl.log_samples],
+                dropped=dropped[: rl.log_samples],
             )
 
         source.set_batch_index(start_step)
@@ -288,14 +309,25 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             produce, asynchronous=rl.async_rollout, max_staleness=rl.max_staleness, max_queue=rl.max_queue
         )
         step, counts_before = start_step, _engine_counts(engine)
+        idle = _NoUpdates(rl.max_skipped_steps)
+        if steps_left:
+            say(
+                f"GRPO: steps {start_step + 1}-{rl.steps}, metrics in "
+                f"{os.path.join(workdir, metrics.METRICS_FILE)}"
+            )
         try:
             while step < rl.steps:
                 if distributed.any_process(handle.requested):
-                    ckpt.save(step, _pack(state, ref_params, draft_state), source.state(step, engine.version))
+                    if ckpt.latest_step() != step:
+                        pack = _pack(state, ref_params, draft_state)
+                        ckpt.save(step, pack, source.state(step, engine.version), force=True)
                     ckpt.wait()
-                    return {"steps": step, "preempted": True, "engine": engine.stats()}
+                    return _stopped(
+                        say, workdir, handle, f"GRPO step {step}", steps=step, engine=engine.stats()
+                    )
                 item, step_metrics = pipe.get(engine.version)
                 t0 = time.perf_counter()
+                idle.observe(item)
                 if item.batch is None:  # no group with a reward signal: no update this step
                     step_metrics["train/skipped"] = 1.0
                 else:
@@ -322,9 +354,18 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     counts_before = counts_now
                     logger.log(step, step_metrics)
                     if primary:
-                        _log_samples(workdir, step, item.samples)
-                if ckpt.should_save(step):
-                    ckpt.save(step, _pack(state, ref_params, draft_state), source.state(step, engine.version))
+                        _log_samples(workdir, step, item.samples, kept=True)
+                        _log_samples(workdir, step, item.dropped, kept=False)
+                if ckpt.should_save(step) or idle.stuck:
+                    ckpt.save(
+                        step,
+                        _pack(state, ref_params, draft_state),
+                        source.state(step, engine.version),
+                        force=True,
+                    )
+                if idle.stuck:  # nothing to learn from: say why instead of running on
+                    ckpt.wait()
+                    raise NoLearningSignal(idle.report(step))
         finally:
             pipe.close()
 
@@ -340,13 +381,21 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 after = evaluate("after", step)
                 greedy_after = evaluate("after", step, greedy=True) if rl.eval.greedy else None
         except Preempted:
-            return {"steps": step, "preempted": True, "engine": engine.stats()}
+            return _stopped(
+                say,
+                workdir,
+                handle,
+                f"nothing new (checkpoint {step} holds the run)",
+                steps=step,
+                engine=engine.stats(),
+            )
         if after is not None and primary:
             from rl import evaluate as evaluate_lib
 
             print(
                 evaluate_lib.format_before_after(before or {}, after, greedy_before, greedy_after), flush=True
             )
+        say(_results_note(workdir, step, run_eval))
         return {
             "before": before,
             "after": after,
@@ -357,23 +406,127 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         }
     finally:
         handle.close()
-        for part in (ckpt, logger):
+        for part in (ckpt, logger, pool):
             if part is not None:
                 part.close()
-        pool.close()
 
 
 # ---- Parts of the run ------------------------------------------------------------------------------------
+
+
+class NoLearningSignal(UserError):
+    """rl.max_skipped_steps steps in a row updated nothing; the message gives the cause and the counts."""
+
+
+def _say(message: str) -> None:
+    """A phase line on the console (process 0): what the run does now, while it compiles and warms up."""
+    print(f"rl.train: {message}", file=sys.stderr, flush=True)
+    logging.getLogger("rl.train").info(message)
+
+
+def _write_config(workdir: str, cfg) -> None:
+    """`<workdir>/config.json`, atomically (a reader never sees half of it), for a new or compatible run."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2))
+    os.replace(tmp, path)
+
+
+def _resume_note(meta: dict, rl) -> str:
+    """What a restart resumes, from its checkpoint's meta."""
+    sft_done = meta.get("sft_step", rl.sft.steps)
+    if sft_done < rl.sft.steps:
+        return f"resumed the SFT warm start at step {sft_done} of {rl.sft.steps}"
+    return f"resumed from checkpoint {meta['step']} (GRPO step {meta['step']} of {rl.steps})"
+
+
+def _stopped(say, workdir: str, handle, where: str, **result) -> dict[str, Any]:
+    """The result of a run stopped by SIGINT / SIGTERM after saving `where`; says how to go on."""
+    name = signal.Signals(handle.signum).name if handle.signum else "a signal on another process"
+    say(
+        f"stopped by {name}: saved {where} in {os.path.join(workdir, 'checkpoints')}; the same command "
+        "resumes"
+    )
+    return {**result, "preempted": True, "signal": handle.signum}
+
+
+def _results_note(workdir: str, step: int, run_eval: bool) -> str:
+    files = ["metrics.jsonl", "samples.jsonl", "checkpoints/"] + (["eval_after.json"] if run_eval else [])
+    return (
+        f"done at step {step}: results in {workdir} ({', '.join(files)}); "
+        f"python -m rl.evaluate --workdir={workdir} scores it again, python -m rl.export exports it"
+    )
+
+
+class _NoUpdates:
+    """Counts the steps in a row that updated nothing (every group filtered out) and why: reward without
+    variance, samples the environment failed on (env_error / crash / timeout), groups left too small."""
+
+    def __init__(self, limit: int):
+        self.limit, self.steps, self.counts = limit, 0, {}
+        self.rewards: list[float] = []
+
+    def observe(self, item) -> None:
+        if item.batch is not None:
+            self.steps, self.counts, self.rewards = 0, {}, []
+            return
+        self.steps += 1
+        for key, value in item.metrics.items():
+            if key.startswith(("rollout/excluded_", "rollout/dropped_")) or key == "rollout/samples_in":
+                self.counts[key] = self.counts.get(key, 0.0) + value
+        if "reward" in item.metrics:
+            self.rewards.append(item.metrics["reward"])
+
+    @property
+    def stuck(self) -> bool:
+        return self.limit > 0 and self.steps >= self.limit
+
+    def report(self, step: int) -> str:
+        c = lambda key: int(self.counts.get(f"rollout/{key}", 0))  # noqa: E731
+        samples = c("samples_in")
+        excluded = {k[len("rollout/excluded_") :]: int(v) for k, v in self.counts.items() if "excluded_" in k}
+        failed = sum(excluded.values())
+        reward = float(np.mean(self.rewards)) if self.rewards else float("nan")
+        if failed and failed >= samples / 2:
+            cause = (
+                f"the environment failed on {failed} of {samples} samples ({excluded}); see "
+                "samples.jsonl and log.txt, and python -m envs.qa --domain=<domain>"
+            )
+        elif c("dropped_zero_variance_groups"):
+            fix = (
+                "the policy never solves the tasks: warm-start it (rl.sft.steps), pick easier rl.levels or "
+                "raise rl.max_new_tokens"
+                if reward <= 0
+                else "every sample of a prompt gets the same reward: raise rl.temperature or rl.group_size"
+            )
+            cause = (
+                f"no reward variance: {c('dropped_zero_variance_groups')} groups had equal rewards "
+                f"(mean reward {reward:.3f}); {fix}"
+            )
+        else:
+            cause = f"groups left with fewer than 2 scored samples: {c('dropped_small_groups')}"
+        return (
+            f"no update in {self.steps} steps in a row (rl.max_skipped_steps={self.limit}; 0 never stops): "
+            f"{cause}. Checkpoint {step} is saved; samples of the dropped groups are in samples.jsonl"
+        )
 
 
 class _Phase:
     """What a signal does now: in an evaluation it raises `Preempted` (nothing to save there); elsewhere the
     preemption handle's flag is read at the next step boundary."""
 
-    def __init__(self):
+    def __init__(self, say=None):
         self._interruptible = False
+        self._say = say
 
     def on_signal(self, signum: int) -> None:
+        if self._say is not None:
+            self._say(
+                f"{signal.Signals(signum).name}: saving at the next step boundary "
+                "(again: quit without saving)"
+            )
         if self._interruptible:
             raise Preempted(signum)
 
@@ -721,13 +874,15 @@ def _engine_metrics(before: dict[str, float], now: dict[str, float], host_tier: 
     return out
 
 
-def _log_samples(workdir: str, step: int, samples) -> None:
+def _log_samples(workdir: str, step: int, samples, *, kept: bool) -> None:
+    """Episodes of a step into samples.jsonl; `kept`: whether the filters kept them for the update."""
     if not samples:
         return
     with open(os.path.join(workdir, "samples.jsonl"), "a") as f:
         for s in samples:
             record = {
                 "step": step,
+                "kept": kept,
                 "domain": s.task.domain,
                 "task_id": s.task.id,
                 "prompt": s.task.prompt,
@@ -764,26 +919,20 @@ def _read_json(workdir: str, name: str):
 # ---- CLI ---------------------------------------------------------------------------------------------------
 
 
-def quiet_console(workdir: str) -> None:
-    """Library INFO logs (orbax, absl, JAX) go to `<workdir>/log.txt`; the console keeps warnings, the
-    progress line, the SFT lines and the tables. An explicit --verbosity keeps them on stderr too."""
-    os.makedirs(workdir, exist_ok=True)
-    handler = logging.FileHandler(os.path.join(workdir, "log.txt"))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    if not flags.FLAGS["verbosity"].present:
-        absl_logging.get_absl_handler().setLevel(logging.WARNING)
-
-
 def main(argv: Sequence[str]) -> int:
-    del argv
+    """The CLI: 0 when the run ends, 128 + the signal's number (130 Ctrl-C, 143 SIGTERM) when a signal stopped
+    it after saving (a scheduler tells a preempted run from a finished one)."""
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments {list(argv[1:])}; flags look like --workdir=DIR")
     if not _WORKDIR.value:
-        raise app.UsageError("--workdir is required (checkpoints, metrics and eval results go there).")
-    quiet_console(_WORKDIR.value)
+        raise UserError("--workdir is required: the run directory (checkpoints, metrics and evaluations)")
+    cli.quiet_console(_WORKDIR.value)
     cfg = cli.with_block_overrides(_CONFIG.value)  # --config.rl.levels.math=... (configs/cli.py)
-    train(cfg, _WORKDIR.value, sft_only=_SFT_ONLY.value, run_eval=_EVAL.value)
+    result = train(cfg, _WORKDIR.value, sft_only=_SFT_ONLY.value, run_eval=_EVAL.value)
+    if result.get("preempted"):
+        return 128 + (result.get("signal") or signal.SIGTERM)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    cli.run(main)

@@ -11,12 +11,13 @@ import test_train
 import xla_env
 
 from configs import cli, grpo, schema
+from configs.errors import UserError
 from rl import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_take_block_overrides_keeps_every_other_flag(monkeypatch):
+def test_take_block_overrides_keeps_every_other_flag(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_TAKEN", [])
     argv = [
         "train.py",
@@ -43,8 +44,10 @@ def test_take_block_overrides_keeps_every_other_flag(monkeypatch):
         "--workdir=w",
     ]
     assert taken == cli._TAKEN
-    with pytest.raises(SystemExit, match=r"--config.rl.levels.math needs a value"):
+    with pytest.raises(SystemExit) as exit_info:
         cli.take_block_overrides(["train.py", "--config.rl.levels.math"])
+    assert exit_info.value.code == 2
+    assert "error: --config.rl.levels.math needs a value" in capsys.readouterr().err
 
 
 def test_every_override_without_a_config_file(monkeypatch):
@@ -99,11 +102,11 @@ def test_overrides_create_keys_on_a_locked_config_and_are_checked():
 
 def test_override_errors_name_the_flag():
     cfg = grpo.get_config("test")
-    with pytest.raises(SystemExit, match=r"--config.rl.env.code.reward=3: .*reward"):
+    with pytest.raises(UserError, match=r"--config.rl.env.code.reward=3: .*reward"):
         cli.with_block_overrides(cfg, [("rl.env.code.reward", "3")])  # a str field given an int
-    with pytest.raises(SystemExit, match=r"config.rl.sft.optim.lr is 0.001, not a block of keys"):
+    with pytest.raises(UserError, match=r"config.rl.sft.optim.lr is 0.001, not a block of keys"):
         cli.with_block_overrides(cfg, [("rl.sft.optim.lr", "1e-3"), ("rl.sft.optim.lr.x", "1")])
-    with pytest.raises(SystemExit, match=r"--config.rl.levels.math overrides a config, but no --config"):
+    with pytest.raises(UserError, match=r"--config.rl.levels.math overrides a config, but no --config"):
         cli.with_block_overrides(None, [("rl.levels.math", "(1,)")])
     assert cli.with_block_overrides(None, []) is None
 

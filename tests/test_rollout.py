@@ -349,7 +349,7 @@ def test_collect_back_fills_until_enough_groups(pool):
         return [Task(f"{name}-{len(asked)}", "debug", name) for name in names]
 
     kw = dict(groups=3, n=2, sampling=SP)
-    samples, counts, drawn = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, **kw)
+    samples, counts, drawn, _ = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, **kw)
     assert asked == [3, 2, 1]
     assert counts["rounds"] == 3 and counts["groups_collected"] == 3 and counts["groups_missing"] == 0
     assert counts["dropped_zero_variance_groups"] == 2 and counts["excluded_env_error"] == 2
@@ -360,7 +360,7 @@ def test_collect_back_fills_until_enough_groups(pool):
     assert drawn["debug"].samples == 12
     # Out of attempts: returns what it has and says so.
     asked.clear()
-    samples, counts, _ = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, max_attempts=2, **kw)
+    samples, counts, _, _ = ro.collect(ScriptedEngine(scripts), pool, next_tasks, TOK, max_attempts=2, **kw)
     assert asked == [3, 2] and counts["rounds"] == 2
     assert counts["groups_collected"] == 2 and counts["groups_missing"] == 1 and len(samples) == 4
 
@@ -374,7 +374,7 @@ def test_collect_real_engine_gives_up(engine, pool):
         rounds.append(k)
         return debug.sample_tasks(len(rounds), k)
 
-    samples, counts, drawn = ro.collect(
+    samples, counts, drawn, _ = ro.collect(
         engine, pool, next_tasks, TOK, groups=2, n=2, sampling=SP, max_attempts=2
     )
     assert samples == [] and rounds == [2, 2]

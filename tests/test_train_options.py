@@ -202,45 +202,73 @@ def test_changed_model_config_is_refused_on_resume(tmp_path):
         train.train(changed, str(tmp_path), run_eval=False)
 
 
-def test_sigterm_during_sft_saves_and_resumes(tmp_path):
-    """SIGTERM in the warm start: the SFT progress is saved (step 0, sft_step < steps) and the next start
-    continues it instead of starting over."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_env.child_flags(1))
-    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(ROOT, ".jax_cache")
-    command = [
-        sys.executable,
-        "-m",
-        "rl.train",
-        "--config=configs/grpo.py:test",
-        f"--workdir={tmp_path}",
-        "--eval=false",
-        "--config.rl.sft.steps=100000",
-        "--config.rl.steps=1",
-    ]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    metrics = tmp_path / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+def _wait_for(proc, path, count: int, key: str, timeout_s: float = 300) -> None:
+    """Until `path` (metrics.jsonl) has `count` records with `key`; the process must still be running."""
+    deadline = time.time() + timeout_s
+    while not (path.exists() and path.read_text().count(f'"{key}"') >= count):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=120)[0].decode()
-    assert proc.returncode == 0, output[-3000:]
+
+
+def test_signals_save_the_current_step_and_resume(tmp_path):
+    """SIGTERM in the warm start saves the SFT progress (exit 143) and the next start continues it; Ctrl-C
+    (SIGINT) in the GRPO loop at a step that is no multiple of rl.checkpoint_every saves that step (exit 130)
+    and the next start resumes there: every GRPO step is in metrics.jsonl once."""
     from rl import checkpoint
 
-    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", save_every=1)
-    meta = ckpt.read_meta()
-    ckpt.close()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_env.child_flags(1))
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(ROOT, ".jax_cache")
+    command = [sys.executable, "-m", "rl.train", "--config=configs/grpo.py:test", f"--workdir={tmp_path}"]
+    command += ["--eval=false", "--config.rl.checkpoint_every=50"]
+    popen = dict(cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def latest_meta():
+        ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", save_every=1)
+        try:
+            return ckpt.latest_step(), ckpt.read_meta()
+        finally:
+            ckpt.close()
+
+    proc = subprocess.Popen(command + ["--config.rl.sft.steps=100000", "--config.rl.steps=1"], **popen)
+    _wait_for(proc, metrics, 5, "sft/cross_entropy")
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 143, output[-3000:]
+    step, meta = latest_meta()
     done = meta["sft_step"]
-    assert 5 <= done < 100000 and meta["step"] == 0
+    assert 5 <= done < 100000 and step == meta["step"] == 0
+    assert f"stopped by SIGTERM: saved SFT step {done} of 100000" in output
     # The console stays quiet: library INFO lines went to log.txt.
     assert "checkpoint_manager.py" not in output and (tmp_path / "log.txt").exists()
-    resumed = command[:-2] + [f"--config.rl.sft.steps={done + 3}", "--config.rl.steps=1"]
-    done_run = subprocess.run(resumed, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done_run.returncode == 0, done_run.stderr[-3000:]
+
+    proc = subprocess.Popen(
+        command + [f"--config.rl.sft.steps={done + 3}", "--config.rl.steps=1000"], **popen
+    )
+    _wait_for(proc, metrics, 3, "pipeline/train_s")
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 130, output[-3000:]
+    assert f"resumed the SFT warm start at step {done} of {done + 3}" in output
     sft_steps = [r["step"] for r in _records(tmp_path) if "sft/cross_entropy" in r]
     assert sft_steps[-3:] == [done, done + 1, done + 2]  # continued, not restarted
-    assert [r["step"] for r in _steps(tmp_path)] == [1]
+    stopped, meta = latest_meta()
+    grpo_steps = lambda: [r["step"] for r in _records(tmp_path) if "pipeline/train_s" in r]  # noqa: E731
+    logged = grpo_steps()
+    assert stopped == meta["step"] == logged[-1] >= 3 and stopped % 50, (stopped, logged)
+    assert f"stopped by SIGINT: saved GRPO step {stopped} in" in output
+
+    resumed = subprocess.run(
+        command + [f"--config.rl.sft.steps={done + 3}", f"--config.rl.steps={stopped + 1}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from checkpoint {stopped} (GRPO step {stopped} of {stopped + 1})" in resumed.stderr
+    assert grpo_steps() == list(range(1, stopped + 2))  # each step once
 
 
 def test_rl_evaluate_reproduces_the_runs_eval_after(tmp_path):
