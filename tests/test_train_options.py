@@ -191,15 +191,35 @@ def test_config_error_before_any_work(tmp_path):
         train.train(cfg, str(tmp_path / "env"), run_eval=False)
 
 
-def test_changed_model_config_is_refused_on_resume(tmp_path):
+def test_a_run_without_learning_signal_stops_and_a_refused_rerun_changes_nothing(tmp_path):
+    """Without the warm start the tiny model never answers "ok": every group has reward 0 and is dropped, so
+    after rl.max_skipped_steps=2 steps without an update the run stops, saved, naming the cause and counts,
+    with the dropped samples in samples.jsonl. A rerun with another model config is refused
+    (ConfigMismatch) and leaves the run's config.json as it was."""
     from rl import checkpoint, train
 
-    cfg = _cfg(steps=1, checkpoint_every=1)
-    train.train(cfg, str(tmp_path), run_eval=False)
-    changed = _cfg(steps=2, checkpoint_every=1)
+    cfg = _cfg(steps=5, checkpoint_every=5, max_skipped_steps=2)
+    cfg.rl.sft.steps = 0
+    with pytest.raises(train.NoLearningSignal) as stop:
+        train.train(cfg, str(tmp_path), run_eval=False)
+    message = str(stop.value)
+    assert message.startswith("no update in 2 steps in a row (rl.max_skipped_steps=2")
+    groups = 2 * cfg.rl.prompts_per_step * cfg.rl.max_attempts  # 2 steps, every back-fill round dropped
+    assert f"no reward variance: {groups} groups had equal rewards (mean reward 0.000)" in message
+    assert "rl.sft.steps" in message and "Checkpoint 2 is saved" in message
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", save_every=1)
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(not s["kept"] and s["reward"] == 0.0 for s in samples)
+    assert sorted({s["step"] for s in samples}) == [1, 2]
+
+    config_json = (tmp_path / "config.json").read_text()
+    changed = _cfg(steps=6, checkpoint_every=1)
     changed.model.rope.theta = 5000.0  # same shapes, another model
     with pytest.raises(checkpoint.ConfigMismatch, match="rope.theta"):
         train.train(changed, str(tmp_path), run_eval=False)
+    assert (tmp_path / "config.json").read_text() == config_json
 
 
 def _wait_for(proc, path, count: int, key: str, timeout_s: float = 300) -> None:
