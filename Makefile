@@ -24,8 +24,10 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 	touch $@ $(VENV)/.installed
 
 # The main job on the demo config (SFT warm start, GRPO, held-out before/after table), in a fresh run dir.
+# DEMO_ARGS: more flags for it (.ci/run shortens the run with them).
+DEMO_ARGS ?=
 demo: $(VENV)/.installed
-	$(PY) -m rl.train --config=configs/grpo.py:demo --workdir=runs/demo-$$(date +%Y%m%d-%H%M%S)
+	$(PY) -m rl.train --config=configs/grpo.py:demo --workdir=runs/demo-$$(date +%Y%m%d-%H%M%S) $(DEMO_ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .

@@ -59,7 +59,7 @@ def take_block_overrides(
             path, value = match.group(1), match.group(2)
             if value is None:
                 if i + 1 >= len(argv):
-                    _exit(f"--{name}.{path} needs a value: --{name}.{path}=VALUE")
+                    exit_with(f"--{name}.{path} needs a value: --{name}.{path}=VALUE")
                 value, i = argv[i + 1], i + 1
             taken.append((path, value))
         else:
@@ -70,7 +70,7 @@ def take_block_overrides(
     return taken
 
 
-def _exit(message: str) -> None:
+def exit_with(message: str) -> None:
     """A command-line mistake found before absl runs (`take_block_overrides` runs at import): one line,
     exit 2."""
     print(f"error: {message}", file=sys.stderr)
@@ -215,16 +215,21 @@ def _parser(config_names: Sequence[str]):
     return parse
 
 
-def run(main: Callable[[list[str]], int | None], *, config_names: Sequence[str] = ("config",)) -> None:
+def run(
+    main: Callable[[list[str]], int | None],
+    *,
+    argv: Sequence[str] | None = None,
+    config_names: Sequence[str] = ("config",),
+) -> None:
     """`absl.app.run(main)`, with the mistakes a user can make as one line on stderr and exit status 2:
     a `configs.errors.UserError` (a config value, a path, a checkpoint, a missing extra), an unknown flag or
     config field (ml_collections' 'did you mean' kept), a config file that does not load. Ctrl-C that
     `main` did not handle exits 130. With --verbosity=1 (or more) the traceback is shown instead."""
     from absl import app
 
-    verbose = verbosity(sys.argv) >= 1
+    verbose = verbosity(sys.argv if argv is None else argv) >= 1
     try:
-        app.run(main, flags_parser=_parser(config_names))
+        app.run(main, argv=None if argv is None else list(argv), flags_parser=_parser(config_names))
     except (UserError, _ParseError) as e:
         if verbose:
             raise
@@ -262,3 +267,31 @@ def quiet_console(log_dir: str | None = None) -> None:
         logging.getLogger().addHandler(handler)
     if not flags.FLAGS["verbosity"].present:
         absl_logging.get_absl_handler().setLevel(logging.WARNING)
+
+
+def require_or_exit(modules: Sequence[str], purpose: str) -> None:
+    """For a CLI module's top, before it imports optional packages: a missing one ends the process with
+    one line naming the extra that installs it (exit 2)."""
+    from configs.errors import MissingExtra, require
+
+    for module in modules:
+        try:
+            require(module, purpose)
+        except MissingExtra as e:
+            exit_with(str(e))
+
+
+def check_port(host: str, port: int) -> None:
+    """Raises UserError when `host:port` cannot be bound (in use, or not this machine's address): a server
+    checks before it loads weights, not after."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(
+                f"--host={host} --port={port} cannot be bound ({e.strerror}); pick a free --port"
+            ) from None

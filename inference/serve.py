@@ -39,10 +39,14 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.exceptions import HTTPException
+try:  # the serve extra: without it main() (and create_app) say so in one line
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+except ImportError:
+    FastAPI = Request = JSONResponse = PlainTextResponse = StreamingResponse = HTTPException = None
 
+from configs.errors import require
 from inference import serve_api, serve_metrics
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
@@ -302,6 +306,7 @@ def _sse(obj: Any) -> str:
 
 def create_app(server: Server) -> FastAPI:
     """The FastAPI app over `server` (which the caller starts and stops)."""
+    require("fastapi", "inference.serve")
     app = FastAPI(title="moe-post-train inference.serve", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(HTTPException)
@@ -341,15 +346,16 @@ def create_app(server: Server) -> FastAPI:
 
 
 def main() -> None:
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
     from configs import cli
+    from configs.errors import UserError
 
     given = cli.config_given(sys.argv)
     cli.take_block_overrides(sys.argv, every=not given)  # --config.rl.<block>.<key>=... (configs/cli.py)
     if not given and cli.taken():  # --workdir / --hf_dir: the model is the run's or the checkpoint's
-        raise SystemExit(
+        cli.exit_with(
             f"--config.{cli.taken()[0][0]}: config overrides need --config (a run or a checkpoint is served "
             "as saved)"
         )
@@ -404,17 +410,23 @@ def main() -> None:
     warmup = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving (503 until then).")
 
     def _main(argv) -> None:
-        import uvicorn
-
+        require("fastapi", "python -m inference.serve")
+        uvicorn = require("uvicorn", "python -m inference.serve")
         if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments {argv[1:]}")
+            raise UserError(f"unexpected arguments {list(argv[1:])}; flags look like --port=8000")
         given = [
             f
             for f, v in (("--workdir", workdir.value), ("--hf_dir", hf_dir.value), ("--config", config.value))
             if v
         ]
         if len(given) != 1:
-            raise app.UsageError(f"give exactly one of --workdir, --hf_dir, --config (got {given or 'none'})")
+            raise UserError(f"give exactly one of --workdir, --hf_dir, --config (got {given or 'none'})")
+        cli.check_port(host.value, port.value)  # before minutes of loading and compiling
+        cli.quiet_console(workdir.value or None)
+        if hf_dir.value and not os.path.isfile(os.path.join(hf_dir.value, "config.json")):
+            raise UserError(
+                f"--hf_dir={hf_dir.value} holds no config.json: give a Hugging Face checkpoint dir"
+            )
         if workdir.value:
             loaded = load_run(workdir.value, step.value, tokenizer=tokenizer.value)
         elif hf_dir.value:
@@ -450,14 +462,13 @@ def main() -> None:
             warmup=warmup.value,
         )
         server.start()
-        logging.getLogger().setLevel(logging.INFO)
-        log.info("serving %s on http://%s:%d/v1", ", ".join(server.loops), host.value, port.value)
+        print(f"serving {', '.join(server.loops)} on http://{host.value}:{port.value}/v1", file=sys.stderr)
         try:
             uvicorn.run(server.app(), host=host.value, port=port.value, log_level="info")
         finally:
             server.stop()
 
-    app.run(_main)
+    cli.run(_main)
 
 
 def _config_name(spec: str) -> str:

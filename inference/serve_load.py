@@ -41,6 +41,9 @@ def load_run(workdir: str, step: int | None = None, *, tokenizer: str | None = N
 
 def load_hf(directory: str, *, tokenizer: str | None = None) -> Loaded:
     """A Hugging Face checkpoint directory; its tokenizer unless `tokenizer` names another ("byte": ours)."""
+    from configs.errors import require
+
+    require("safetensors", "--hf_dir (a Hugging Face checkpoint)")
     from model import hf
 
     cfg, module = hf.load_model(directory)

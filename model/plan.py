@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
+from configs.schema import ConfigError
 from model import config as config_lib
 from model import sharding
 from model.plan_format import format_table  # noqa: F401  (the table of `plan`, used by model.demo)
@@ -127,7 +128,7 @@ def parse_mesh(text: str) -> dict[str, int]:
         return mesh_sizes({axis.strip(): int(size) for axis, size in pairs})
     except ValueError as err:
         msg = f"--mesh={text!r}: expected axis:size,... over {sharding.MESH_AXES}; {err}"
-        raise ValueError(msg) from None
+        raise ConfigError(msg) from None
 
 
 class Shard(NamedTuple):
@@ -306,12 +307,13 @@ def tokens_per_device(mesh_shape: Mapping[str, int], batch: int, seq_len: int) -
 
 
 def main(argv: list[str]) -> None:
-    from absl import app, flags
+    from absl import flags
 
+    from configs.errors import UserError
     from model import plan_format, plan_rollout
 
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        raise UserError(f"unexpected arguments {list(argv[1:])}; flags look like --config=FILE")
     f = flags.FLAGS
     cfg = f.config
     mesh = parse_mesh(f.mesh) if f.mesh else mesh_sizes(dict(cfg.mesh.shape))
@@ -343,8 +345,10 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     # Flags live here, not at import, so tests and other CLIs can import this module.
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
+
+    from configs import cli
 
     config_flags.DEFINE_config_file("config", None, "configs/*.py file (`path:arg` for variants)")
     flags.DEFINE_string("mesh", None, "axis:size,... replacing cfg.mesh.shape; unnamed axes are 1")
@@ -372,4 +376,4 @@ if __name__ == "__main__":
         "tokens per device for the all-to-all bytes (default: one micro-batch's on --mesh)",
     )
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main)

@@ -39,6 +39,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from configs.errors import UserError
 from envs import STATUSES, EnvPool, Score, Task
 
 EVAL_FILE = "eval.json"
@@ -243,9 +244,9 @@ def load_run_config(workdir: str) -> Any:
 
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{path} not found: rl.train writes it when a run starts. Point --workdir at a training run, "
-            "or pass the run's config with --config=configs/grpo.py:<arg>."
+        raise UserError(
+            f"--workdir={workdir} is not a run of rl.train ({path} not found: rl.train writes it when a run "
+            "starts); point --workdir at a run directory"
         )
     with open(path) as f:
         return ml_collections.ConfigDict(json.load(f))
@@ -293,9 +294,12 @@ def restore_state(
     ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
     ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model, mesh=mesh)
     try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise UserError(f"--workdir={workdir} has no checkpoint in {ckpt_dir}: train first (rl.train)")
+        if step is not None and step not in steps:
+            raise UserError(f"--step={step}: {ckpt_dir} holds checkpoints of steps {sorted(steps)}")
         meta = ckpt.read_meta(step)
-        if meta is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first (python -m rl.train ...)")
         tree, meta = ckpt.restore(step, target_state=train_lib.checkpoint_target(cfg, state, meta))
     finally:
         ckpt.close()
@@ -360,7 +364,7 @@ def run(
 
 
 def main() -> None:
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
     from configs import cli
@@ -390,7 +394,8 @@ def main() -> None:
 
     def _main(argv: Sequence[str]) -> None:
         if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments {argv[1:]}")
+            raise UserError(f"unexpected arguments {list(argv[1:])}; flags look like --workdir=DIR")
+        cli.quiet_console(workdir.value)
         cfg = config.value
         if cfg is None and cli.taken():
             cfg = load_run_config(workdir.value)
@@ -409,7 +414,7 @@ def main() -> None:
         print(format_table(report["results"]))
         print(f"wrote {out.value or os.path.join(workdir.value, EVAL_FILE)}", file=sys.stderr)
 
-    app.run(_main)
+    cli.run(_main)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,10 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
 
 
 def main() -> None:
-    from absl import app, flags
+    from absl import flags
+
+    from configs import cli
+    from configs.errors import UserError
 
     # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
     # import it first, and let ours replace its --workdir.
@@ -83,12 +86,13 @@ def main() -> None:
 
     def _main(argv: Sequence[str]) -> None:
         if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments {argv[1:]}")
+            raise UserError(f"unexpected arguments {list(argv[1:])}; flags look like --workdir=DIR")
+        cli.quiet_console(workdir.value)
         report = export(workdir.value, out.value, step=step.value)
         extra = f" and {len(report['tokenizer_files'])} tokenizer files" if report["tokenizer_files"] else ""
         print(f"wrote step {report['step']}{extra} to {out.value}", file=sys.stderr)
 
-    app.run(_main)
+    cli.run(_main)
 
 
 if __name__ == "__main__":

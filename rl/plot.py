@@ -118,7 +118,10 @@ def _robust_limits(bands: Mapping[str, tuple[np.ndarray, ...]]) -> tuple[float, 
 
 
 def main() -> None:
-    from absl import app, flags
+    from absl import flags
+
+    from configs import cli
+    from configs.errors import UserError, require
 
     workdir = flags.DEFINE_string("workdir", None, "Run directory holding metrics.jsonl.")
     out = flags.DEFINE_string("out", None, "PNG to write (default: <workdir>/curves.png).")
@@ -126,12 +129,17 @@ def main() -> None:
 
     def _main(argv: Sequence[str]) -> None:
         if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments {argv[1:]}")
+            raise UserError(f"unexpected arguments {list(argv[1:])}; flags look like --workdir=DIR")
+        require("matplotlib", "python -m rl.plot")
+        if not os.path.isfile(os.path.join(workdir.value, metrics.METRICS_FILE)):
+            raise UserError(
+                f"--workdir={workdir.value} holds no {metrics.METRICS_FILE}: not a run of rl.train"
+            )
         path = out.value or os.path.join(workdir.value, "curves.png")
         counts = plot(metrics.read_metrics(workdir.value), path)
         print(f"wrote {path} ({counts['reward']} reward curves, {counts['weight']} weight curves)")
 
-    app.run(_main)
+    cli.run(_main)
 
 
 if __name__ == "__main__":

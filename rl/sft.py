@@ -114,12 +114,10 @@ def run_sft(
 
 
 if __name__ == "__main__":
-    from absl import app
-
     from configs import cli
 
     # Before rl.train defines --config: with no --config its default file is read (and overridden) then.
     cli.take_block_overrides(sys.argv)
     from rl import train
 
-    app.run(train.main, argv=sys.argv + ["--sft_only"])
+    cli.run(train.main, argv=sys.argv + ["--sft_only"])

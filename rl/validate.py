@@ -13,6 +13,7 @@ import os
 
 import ml_collections
 
+from configs.errors import require
 from model.config import ConfigError
 
 DECODE_STEPS = 8  # rl.engine.decode_steps=0 without a drafter or with draft="model": steps per device call
@@ -65,11 +66,12 @@ def init_from_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     the checkpoint's (`model.hf.read_config`, keeping this config's `model.hf_config.RUNTIME_FIELDS`), with
     `hf` (its architecture and config.json, what `rl.export` writes back) and rl.tokenizer set to the
     directory when that is "" and the directory holds a tokenizer.json."""
-    from model import hf, hf_config
-
     path = cfg.rl.init_from
     if not path:
         return cfg
+    require("safetensors", "rl.init_from (a Hugging Face checkpoint)")
+    from model import hf, hf_config
+
     _check(
         os.path.isdir(path),
         "init_from",

@@ -97,3 +97,15 @@ def _bounded_mappings_per_module():
 def _bounded_mappings_per_test():
     yield
     _drop_caches_past(TEST_MAPPINGS)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Tests that did not run, in a banner of their own: a skip hides a path CI never exercised (e.g. the
+    bubblewrap sandbox where Debian's `bubblewrap` is missing; `.ci/run` installs it)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.write_sep("!", f"{len(skipped)} TEST(S) DID NOT RUN", red=True, bold=True)
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        terminalreporter.write_line(f"  {report.nodeid}: {reason}", red=True)

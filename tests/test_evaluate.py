@@ -116,7 +116,9 @@ def test_table_and_flatten():
 
 
 def test_missing_run_config_names_file_and_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"config\.json.*--config="):
+    from configs.errors import UserError
+
+    with pytest.raises(UserError, match=r"--workdir=.* is not a run of rl.train \(.*config\.json not found"):
         evaluate.load_run_config(str(tmp_path))
 
 
