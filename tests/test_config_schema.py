@@ -287,15 +287,21 @@ def valid_overrides(draw):
     }
 
 
+# The extremes that can still learn: one prompt, a group of 2, the fewest new tokens that spell the debug
+# domain's answer ("ok" + end of sequence), two PPO epochs of two mini-batches of one row each. A short warm
+# start at temperature 2 makes the two samples differ in some back-fill round, so this example updates (the
+# test checks it); the next example (one new token, which cannot spell "ok") checks the skipped step.
 EXTREMES = {
     "seed": 2**63 - 1,
     "prompts_per_step": 1,
     "group_size": 2,
-    "max_new_tokens": 1,
+    "max_new_tokens": 3,
     "mini_batches": 2,
     "micro_batches": 1,
     "ppo_epochs": 2,
-    "sft.steps": 0,
+    "sft.steps": 6,
+    "temperature": 2.0,
+    "max_attempts": 8,
 }
 
 
@@ -339,6 +345,8 @@ def test_valid_configs_run_a_grpo_step(tmp_path_factory, overrides):
     # A step trains (finite loss) or is skipped because no group had a reward signal (e.g. one new token
     # cannot spell the debug domain's answer), and says so.
     r = steps[0]
+    if overrides == EXTREMES:
+        assert np.isfinite(r["train/loss"]) and r["train/clip_fraction"] >= 0, r  # it updated
     if "train/loss" in r:
         assert np.isfinite(r["train/loss"]), (overrides, r)
     else:
