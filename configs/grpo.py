@@ -18,11 +18,13 @@ list is that output):
 main job does any work.
 """
 
+import dataclasses
+
 import ml_collections
 
 from configs import schema, small, tiny
 from configs.base import DTYPES, MODEL
-from configs.schema import Block, Bool, Choice, Float, Int, Ints, Names, Text
+from configs.schema import Block, Bool, Choice, ConfigError, Field, Float, Int, Ints, Text
 
 MODELS = {"tiny": tiny, "small": small}
 
@@ -35,7 +37,29 @@ VARIANTS = ("test", "demo")
 def _domains() -> tuple:
     from envs import registry  # late: configs stay importable without the environments
 
-    return tuple(registry.names())
+    return tuple(sorted(registry.BUILTIN))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Domains(Field):
+    """rl.domains: distinct domain names, each built in, an installed entry point or an import path
+    "package.module:Class" (`envs.registry`). The table checks the shape; `rl/validate.py` resolves each
+    name (imports it) and says what is wrong with one that does not resolve."""
+
+    def check(self, path: str, v) -> None:
+        names = isinstance(v, (tuple, list)) and v and all(isinstance(d, str) and d.strip() for d in v)
+        if not names or len(set(v)) != len(v):
+            raise ConfigError(
+                f"{path}={v!r} must be a non-empty tuple of distinct domain names ({self.describe()})"
+            )
+
+    def describe(self) -> str:
+        from envs import registry
+
+        return (
+            f"distinct names: {', '.join(repr(c) for c in self.allowed())}, an entry point of group "
+            f"'{registry.ENTRY_POINT_GROUP}' or an import path 'package.module:Class'"
+        )
 
 
 def _rl_table() -> dict:
@@ -91,7 +115,13 @@ def _rl_table() -> dict:
             "", 'dtype of the frozen KL reference copy ("": the params\')', ("", "float32", "bfloat16")
         ),
         # --- domains and curriculum
-        "domains": Names(("math",), "task domains (envs.registry names)", _domains),
+        "domains": _Domains(
+            ("math",),
+            "task domains; a domain's name in metrics and in rl.levels / rl.env / rl.static_weights / "
+            "rl.sft.weights is the name as written here (README: Your own environment)",
+            "names",
+            choices=_domains,
+        ),
         "levels": Block(
             "domain -> difficulty levels to draw from (default: all)", value=Ints("levels", lo=-1)
         ),

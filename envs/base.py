@@ -2,6 +2,9 @@
 
 Every domain implements the multi-turn interface (`reset` / `step` / `score_episode`); single-turn domains
 get it from `SingleTurnEnvironment` (one step: the completion), so the RL loop treats all domains alike.
+A domain that implements `make_task(rng, level) -> (prompt, metadata)` gets a seeded, deterministic
+`sample_tasks` for free: a single-turn domain is then `make_task`, `score` and `reference_solution`
+(README, "Your own environment"; `examples/my_envs/`).
 
 `Score.status` is one of `STATUSES`. Only `ok` (reward earned) and `wrong` (a valid attempt that missed)
 are ordinary outcomes; the others (`format_error`, `timeout`, `crash`, `sandbox_violation`, `env_error`)
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from typing import Any
 
 STATUSES = ("ok", "wrong", "format_error", "timeout", "crash", "sandbox_violation", "env_error")
@@ -59,20 +63,46 @@ class Episode:
 
 
 class Environment:
-    """A task domain. Subclasses set `name` and `levels` and implement the methods below.
+    """A task domain. Subclasses set `levels` and implement the methods below (`sample_tasks`, or
+    `make_task` for the default one).
 
-    Scores are deterministic given (task, completion): no wall-clock or random state may change a reward.
+    `name` is the domain's name in a run: `envs.registry.make(name)` sets it on the environment it makes
+    (a built-in name, an entry point's name, or an import path "package.module:Class"), and tasks carry it
+    as `Task.domain`. Scores are deterministic given (task, completion): no wall-clock or random state may
+    change a reward.
     """
 
     name: str = ""
     levels: tuple[int, ...] = (0,)  # difficulty levels `sample_tasks` can produce
     max_turns: int = 1
+    # What rl.data's train / held-out split hashes: "prompt" (no prompt in two splits) or "task" (prompt and
+    # metadata: for domains with a few prompt templates over per-task hidden data).
+    split_on: str = "prompt"
+
+    def make_task(self, rng: random.Random, level: int) -> tuple[str, dict[str, Any]]:
+        """(prompt, metadata) of one task of difficulty `level`, drawn from `rng` only; metadata is
+        JSON-serialisable and holds what scoring needs. Implement it to use the default `sample_tasks`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither sample_tasks nor make_task(rng, level)"
+        )
 
     def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
-        raise NotImplementedError
+        """`n` tasks of `seed`, a pure function of (seed, n, difficulty). The default: task i is
+        `make_task(random.Random(f"{seed}:{i}:{level}"), level)`, each level drawn from `levels` by a
+        generator of `seed` unless `difficulty` is given."""
+        if difficulty is not None and difficulty not in self.levels:
+            raise ValueError(f"{self.name}: difficulty {difficulty} not in levels {self.levels}")
+        level_rng = random.Random(f"levels:{seed}")
+        tasks = []
+        for i in range(n):
+            level = difficulty if difficulty is not None else level_rng.choice(self.levels)
+            prompt, metadata = self.make_task(random.Random(f"{seed}:{i}:{level}"), level)
+            tasks.append(Task(f"{self.name}/{seed}/{i}/L{level}", self.name, prompt, dict(metadata), level))
+        return tasks
 
     def reference_solution(self, task: Task) -> str:
-        """A completion that scores 1.0 (multi-turn domains: the actions, one per line)."""
+        """A completion that scores 1.0 (multi-turn domains: the actions, one per line). The SFT warm start
+        and the quality gate need it (`has_reference_solution`)."""
         raise NotImplementedError
 
     def reset(self, task: Task) -> Episode:
@@ -95,6 +125,12 @@ class Environment:
 
     def close(self) -> None:
         """Releases sandboxes and temporary files."""
+
+
+def has_reference_solution(env: Environment | type) -> bool:
+    """Whether an environment (or its class) implements `reference_solution`."""
+    cls = env if isinstance(env, type) else type(env)
+    return cls.reference_solution is not Environment.reference_solution
 
 
 class SingleTurnEnvironment(Environment):

@@ -50,11 +50,15 @@ _ORPHAN_EXIT_S = 5.0  # a worker whose parent is gone exits after this long, eve
 
 
 def _worker_main(
-    requests: mp_connection.Connection, results: mp_connection.Connection, domains: dict
+    requests: mp_connection.Connection, results: mp_connection.Connection, domains: dict, targets: dict
 ) -> None:
-    """Makes the environments, reports ready, then answers requests in order until the parent hangs up."""
+    """Makes the environments, reports ready, then answers requests in order until the parent hangs up.
+    `targets`: the parent's "module:attr" of each domain name (names it registered or found as entry points
+    resolve here as there; sys.path and the working directory come with the process start)."""
     os.setpgrp()  # own process group: Ctrl-C at the terminal is the parent's; killpg reaches our children
     try:
+        for name, target in targets.items():
+            registry.register(name, target)
         envs = {name: registry.make(name, **kwargs) for name, kwargs in domains.items()}
     except Exception:
         results.send(("error", traceback.format_exc()))
@@ -305,7 +309,7 @@ class _Worker:
         self._results, results_w = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=_worker_main,
-            args=(requests_r, results_w, self._pool.domains),
+            args=(requests_r, results_w, self._pool.domains, self._pool.targets),
             name=f"envpool-worker-{self._index}",
             daemon=True,
         )
@@ -478,7 +482,9 @@ class _Worker:
 class EnvPool:
     """Worker processes that score completions and run episodes; see the module docstring.
 
-    `domains`: names, or name -> keyword arguments for `envs.registry.make`. Use as a context manager or
+    `domains`: names (built in, registered, entry points or import paths: `envs.registry`), or name ->
+    keyword arguments for `envs.registry.make`; workers resolve each name as this process does (`targets`,
+    this process's sys.path and working directory). Use as a context manager or
     call `close()` (also run at exit). Closing the last pool stops the forkserver and resource tracker if
     pools started them (a resource tracker started first by the pool also stops then).
     """
@@ -502,6 +508,7 @@ class EnvPool:
             self.domains = {name: dict(kwargs) for name, kwargs in domains.items()}
         else:
             self.domains = {name: {} for name in domains}
+        self.targets = {name: registry.target(name) for name in self.domains}  # KeyError: unknown name
         self.max_inflight_per_worker = max_inflight_per_worker
         self.timeout_s = timeout_s
         self.term_grace_s = term_grace_s

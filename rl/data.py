@@ -133,8 +133,8 @@ class DomainTasks:
             raise ValueError(f"{domain}: give env or env_kwargs, not both (env_kwargs make the env)")
         self.domain, self.seed, self.split = domain, int(seed), split
         self.holdout, self.selection = holdout, selection
-        self.split_on = split_on or DEFAULT_SPLIT_ON.get(domain, "prompt")
         self.env = env if env is not None else registry.make(domain, **(env_kwargs or {}))
+        self.split_on = split_on or DEFAULT_SPLIT_ON.get(domain) or getattr(self.env, "split_on", "prompt")
         self._owns_env = env is None
         # Split data (e.g. GSM8K train / test) is drawn from its own split, with no hash holdout.
         self.data_split = DATA_SPLIT[split] if getattr(self.env, "data_splits", ()) else None
@@ -177,8 +177,8 @@ class DomainTasks:
         raise RuntimeError(
             f"{self.domain} ({self.split}, difficulty={self.difficulty}): no task of this split in "
             f"{MAX_ATTEMPTS} draws; the domain's pool is too small for holdout={self.holdout}, "
-            f"selection={self.selection} with split_on={self.split_on!r} (try split_on='task' or other "
-            "fractions: rl.data.holdout, rl.data.selection)"
+            f"selection={self.selection} with split_on={self.split_on!r} (try split_on='task', the "
+            "environment's `split_on` attribute, or other fractions: rl.data.holdout, rl.data.selection)"
         )
 
     def _hash_split(self, task: Task, *, holdout: float) -> Split:
@@ -286,11 +286,15 @@ def check_domains(cfg: Any, tokenizer: Any) -> None:
         bad = [lv for lv in levels or () if lv not in env.levels]
         if bad:
             raise ConfigError(f"rl.levels.{d}={levels} names levels {bad}; {d} has {tuple(env.levels)}")
-        lengths = [
-            len(rollout.format_prompt(t, tokenizer, chat=rl.chat))
-            for lv in levels or env.levels
-            for t in env.sample_tasks(seed=_hash64("probe", d, rl.seed) % 2**31, n=PROBE_TASKS, difficulty=lv)
-        ]
+        seed = _hash64("probe", d, rl.seed) % 2**31
+        tasks = [t for lv in levels or env.levels for t in env.sample_tasks(seed, PROBE_TASKS, difficulty=lv)]
+        other = sorted({t.domain for t in tasks} - {d})
+        if other:  # the pool and the curriculum know the domain by its rl.domains name only
+            raise ConfigError(
+                f"rl.domains names {d!r}, whose tasks say domain={other[0]!r}; make tasks with "
+                "Task(domain=self.name): envs.registry.make sets `name` to the name in rl.domains"
+            )
+        lengths = [len(rollout.format_prompt(t, tokenizer, chat=rl.chat)) for t in tasks]
         if min(lengths) > rl.max_prompt_len:
             chat = " with the chat template (rl.chat=True)" if rl.chat else ""
             raise ConfigError(

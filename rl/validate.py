@@ -199,21 +199,66 @@ def check_mesh(cfg: ml_collections.ConfigDict, processes: int, *, batch_shards: 
 
 
 def _check_domains(cfg, registry, curriculum) -> None:
+    """Every rl.domains name resolves to an environment (built in; else an entry point or an import path
+    "package.module:Class", imported now, a factory called once with its rl.env options); rl.levels,
+    rl.sft.weights and rl.static_weights name only those domains; rl.env fits each constructor; every
+    domain the SFT warm start or the quality gate will ask has reference solutions; the curriculum's
+    fields."""
+    from envs.base import has_reference_solution
+
     rl = cfg.rl
     domains = list(rl.domains)
-    known = registry.names()
+    named = f"rl.domains={tuple(domains)!r} names"
+    user = {}  # domain -> its class or factory, for the domains that are not built in
     for d in domains:
-        _check(d in known, "domains", tuple(domains), f"names {d!r}, not a registered domain; known: {known}")
+        try:
+            registry.target(d)  # a built-in's name taken by an installed entry point is refused here too
+            if d not in registry.BUILTIN:
+                user[d] = registry.resolve(d)
+        except (KeyError, ValueError) as e:  # the reason names the target: an import path only once
+            raise ConfigError(f"{named} {d!r}: {registry.reason(e).removeprefix(f'{d}: ')}") from None
+    paths = [d for d in domains if registry.is_import_path(d)]
     for block in ("levels", "sft.weights", "static_weights"):
         extra = sorted(set(_get(rl, block)) - set(domains))
-        _check(not extra, block, extra, f"names domains not in rl.domains={tuple(domains)}")
+        hint = (
+            f"; a domain given by import path ({paths[0]!r}) is named by that path, which cannot be a key "
+            f"here: give it a short name with an entry point (group {registry.ENTRY_POINT_GROUP!r})"
+            if extra and paths
+            else ""
+        )
+        _check(not extra, block, extra, f"names domains not in rl.domains={tuple(domains)}{hint}")
     env = rl.get("env", ml_collections.ConfigDict())
-    for d in domains:
-        if d in env:
+    options = {}
+    for d in domains:  # a built-in without options is not imported: its constructor needs none
+        try:
+            given = env[d].to_dict() if d in env else {}
+            options[d] = registry.check_kwargs(d, given) if d in env or d in user else {}
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(str(e)) from None
+    for d, made in user.items():
+        if not isinstance(made, type):  # a factory: what it makes is known once it is called
             try:
-                registry.check_kwargs(d, env[d].to_dict())
-            except (TypeError, ValueError, KeyError) as e:
-                raise ConfigError(str(e)) from None
+                made = registry.make(d, **options[d])
+            except registry.DomainError as e:
+                raise ConfigError(f"{named} {d!r}: {e}") from None
+            except Exception as e:  # the user's factory may raise anything: one line, named
+                raise ConfigError(f"{named} {d!r}, whose factory raised {type(e).__name__}: {e}") from None
+            made.close()
+        needs, fixes = [], []  # who will ask this domain for reference solutions
+        if rl.sft.steps and (dict(rl.sft.weights).get(d, 0) if len(rl.sft.weights) else 1):
+            needs.append(f"the SFT warm start (rl.sft.steps={rl.sft.steps})")
+            fixes.append("rl.sft.steps=0")
+        if rl.quality_gate:
+            needs.append("the quality gate (rl.quality_gate=True)")
+            fixes.append("rl.quality_gate=False")
+        _check(
+            has_reference_solution(made) or not needs,
+            "domains",
+            tuple(domains),
+            f"names {d!r}, which has no reference_solution(task) (a completion that scores 1.0); "
+            f"{' and '.join(needs)} need{'s' if len(needs) == 1 else ''} one: implement it, or set "
+            f"{' and '.join(fixes)}",
+        )
     try:
         curriculum.from_config(rl, domains)
     except ValueError as e:
