@@ -25,24 +25,23 @@ train_step_mfu  MFU of the GRPO train step (`rl.train_step.make_train_step`) on 
                 `model.plan.flops_per_token(cfg, seq_len, training=True)`, peak from `matmul_peak.measure()`
                 in this process. The config's 128 x 512 batch takes minutes a step on a 2-core CPU, so
                 `--mfu_batch` (default 8: the batch of benchmarks/train_step.py's small rows) replaces it.
-peer            `--peer_script` (default ../shared/peers/tunix_grpo_step_bench.py beside this checkout), only
-                when `tunix` imports; else why not.
-mismatch        Train-inference mismatch of the main job on `configs/grpo.py:test` with bf16 compute, with and
-                without routing replay (`rl.routing_replay`): the same seed samples the same batches, so the
-                per-step `train/mismatch_kl` (k3 estimate of KL(sampler || trainer) on the sampled tokens)
-                and `train/mismatch_out_of_band` (ratio outside [1/2, 2]) compare like for like; also the
-                generation seconds per step of both (the cost of recording the routing).
+peer            The Tunix peer's GRPO step: `--peer_script=PATH` (its tunix_grpo_step_bench.py, not part of
+                this repository: required with this section, no default), run by this interpreter, only when
+                `tunix` imports; else why not.
 ppo             `train/clip_fraction` (low / high), ratio max and approx KL to the proximal policy of the
                 main job on `configs/grpo.py:test` with `rl.ppo_epochs=2` (`--ppo_steps` steps).
 drafters        Rollout tokens per target forward and acceptance of each drafter (`rl.engine.draft`: none,
                 ngram, group, model) in the main job on `configs/grpo.py:demo`, each after the same shortened
                 warm start (`--draft_sft_steps`), over `--draft_steps` GRPO steps (means of the step records).
 
+Routing replay's train-inference mismatch is measured paired, on the same batches with and without the
+recorded experts, by benchmarks/routing_replay.py.
+
 The machine may be shared: compare the two modes (and MFU with its own peak) within one run.
 
     python benchmarks/rl.py --sections=async --steps=12
     python benchmarks/rl.py --quick
-    python benchmarks/rl.py --sections=mismatch,ppo,drafters
+    python benchmarks/rl.py --sections=ppo,drafters
 """
 
 from __future__ import annotations
@@ -71,10 +70,7 @@ from configs import grpo  # noqa: E402
 from envs.domains import debug  # noqa: E402
 from model import plan  # noqa: E402
 
-SECTIONS = ("async", "mfu", "peer", "mismatch", "ppo", "drafters")
-PEER = os.path.join(  # the shared folder beside the checkout; --peer_script points elsewhere
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers", "tunix_grpo_step_bench.py"
-)
+SECTIONS = ("async", "mfu", "peer", "ppo", "drafters")
 ASYNC_TARGET = 1.5
 SFT_STEPS = 4
 
@@ -223,7 +219,7 @@ def train_step_mfu(batch: int, seq_len: int | None, steps: int) -> dict:
     }
 
 
-# --- options of the main job: routing replay, PPO epochs, drafters ------------------------------------------
+# --- options of the main job: PPO epochs, drafters ---------------------------------------------------------
 
 
 def _main_job(cfg) -> tuple[dict, list[dict]]:
@@ -240,24 +236,6 @@ def _main_job(cfg) -> tuple[dict, list[dict]]:
 def _mean(records: list[dict], key: str) -> float | None:
     values = [r[key] for r in records if r.get(key) is not None]
     return round(statistics.fmean(values), 6) if values else None
-
-
-def mismatch(steps: int) -> dict:
-    line: dict = {"config": "configs/grpo.py:test, model.compute_dtype=bfloat16", "steps": steps}
-    for replay in (False, True):
-        cfg = grpo.get_config("test")
-        cfg.model.compute_dtype = "bfloat16"
-        cfg.rl.steps, cfg.rl.checkpoint_every, cfg.rl.routing_replay = steps, steps + 1, replay
-        _, records = _main_job(cfg)
-        line["replay" if replay else "no_replay"] = {
-            key: _mean(records, f"train/{key}")
-            for key in ("mismatch_kl", "mismatch_kl_k1", "mismatch_out_of_band", "mismatch_ratio_max")
-        } | {"generation_s_mean": _mean(records[1:], "pipeline/generation_s")}
-    a, b = line["no_replay"]["mismatch_kl"], line["replay"]["mismatch_kl"]
-    line["kl_ratio_without_over_with"] = round(a / b, 2) if a and b else None
-    m = grpo.get_config("test").model
-    line["routing_bytes_per_token"] = m.num_layers * m.moe.top_k * 2  # int16 per MoE layer and slot
-    return line
 
 
 def ppo(steps: int) -> dict:
@@ -293,7 +271,7 @@ def drafters(steps: int, sft_steps: int) -> dict:
 # --- peer ---------------------------------------------------------------------------------------------------
 
 
-def peer(quick: bool, script: str = PEER) -> dict:
+def peer(quick: bool, script: str) -> dict:
     if importlib.util.find_spec("tunix") is None:
         return {"skipped": "tunix is not installed in this interpreter (see the peer's docstring for setup)"}
     command = [sys.executable, script, "--arch", "qwen3moe"] + (["--steps", "3"] if quick else [])
@@ -306,15 +284,14 @@ def peer(quick: bool, script: str = PEER) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    p.add_argument("--sections", default="async,mfu,peer", help=f"comma-separated subset of {SECTIONS}")
-    p.add_argument("--peer_script", default=PEER, help="the Tunix peer: tunix_grpo_step_bench.py")
+    p.add_argument("--sections", default="async,mfu", help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--peer_script", default="", help="PATH of the Tunix peer's tunix_grpo_step_bench.py")
     p.add_argument("--steps", type=int, default=16, help="GRPO steps per mode (async_vs_sync)")
     p.add_argument("--delay_median_ms", type=float, default=50.0, help="median verifier delay")
     p.add_argument("--env_workers", type=int, default=4, help="environment worker processes")
     p.add_argument("--mfu_batch", type=int, default=8, help="rows of the train_step_mfu batch")
     p.add_argument("--mfu_seq_len", type=int, default=None, help="override the small config's seq_len")
     p.add_argument("--mfu_steps", type=int, default=3, help="timed train steps (median reported)")
-    p.add_argument("--mismatch_steps", type=int, default=6, help="GRPO steps per run (mismatch)")
     p.add_argument("--ppo_steps", type=int, default=6, help="GRPO steps (ppo)")
     p.add_argument("--draft_steps", type=int, default=6, help="GRPO steps per drafter (drafters)")
     p.add_argument("--draft_sft_steps", type=int, default=400, help="warm-start steps per drafter run")
@@ -324,6 +301,12 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
         p.error(f"unknown --sections {unknown}; choose from {SECTIONS}")
+    if "peer" in chosen and not a.peer_script:
+        p.error(
+            "--sections=peer needs --peer_script=PATH (tunix_grpo_step_bench.py, outside this repository)"
+        )
+    if a.peer_script and not os.path.isfile(a.peer_script):
+        p.error(f"--peer_script={a.peer_script}: no such file")
     if a.quick:
         a.steps, a.mfu_batch, a.mfu_seq_len, a.mfu_steps = 6, 2, 128, 2
     if a.steps < 6:
@@ -336,8 +319,6 @@ def main() -> None:
         line["train_step_mfu"] = train_step_mfu(a.mfu_batch, a.mfu_seq_len, a.mfu_steps)
     if "peer" in chosen:
         line["peer"] = peer(a.quick, a.peer_script)
-    if "mismatch" in chosen:
-        line["mismatch"] = mismatch(a.mismatch_steps)
     if "ppo" in chosen:
         line["ppo"] = ppo(a.ppo_steps)
     if "drafters" in chosen:
