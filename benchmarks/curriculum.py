@@ -25,6 +25,7 @@ import sys
 import time
 
 import numpy as np
+from record import portable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -159,7 +160,7 @@ def main(argv=None) -> None:
             floor = float(json.load(f)["rl"]["curriculum_floor"])
         row = {
             "bench": "curriculum",
-            "workdir": args.workdir,
+            "workdir": portable(args.workdir),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "floor": floor,
             "weights": weight_figures(metrics.read_metrics(args.workdir), floor),

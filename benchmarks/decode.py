@@ -17,17 +17,19 @@ with every headline figure, its target and whether it was met:
   per call, and 8 speculative steps per call against 8 plain ones), greedy identical,
   chi-square of the first two tokens (T=1, plain and speculative) against the target's exact distribution;
   then NgramDrafter(3) on repetitive prompts (greedy walks of the chain).
-- peer: our tok/s (engine.decode_steps=8, the main job's default, and 1) vs transformers `generate`
-  (--hf_python: a venv with torch + transformers; --peer_script, default ../shared/peers/hf_generate_bench.py
-  beside this checkout) and the Tunix sampler (--tunix_python: a venv with google-tunix; --tunix_script,
-  default ../shared/peers/tunix_sampler_bench.py), each a subprocess, on the same shapes: 16 x 32-token
-  prompts, 64 new tokens, T=1, dense and MoE; every side one warmup call and --peer_repeats timed calls.
+- peer (only when asked for): our tok/s (engine.decode_steps=8, the main job's default, and 1) vs
+  transformers `generate` (--hf_python: the interpreter of a venv with torch + transformers, with
+  --peer_script: the peer's hf_generate_bench.py) and/or the Tunix sampler (--tunix_python: a venv with
+  google-tunix, with --tunix_script: tunix_sampler_bench.py), each a subprocess, on the same shapes: 16 x
+  32-token prompts, 64 new tokens, T=1, dense and MoE; every side one warmup call and --peer_repeats timed
+  calls. The peers' scripts and venvs are not part of this repository: the flags have no defaults.
 - recompiles: stats()["compiles_after_warmup"] of every engine above (all must be 0).
 
     python benchmarks/decode.py --sections=cache,continuous --quick
     python benchmarks/decode.py --sections=speculative --train_steps=150
-    python benchmarks/decode.py --sections=peer --hf_python=../venv-hf/bin/python \
-        --tunix_python=../venv-tunix/bin/python
+    python benchmarks/decode.py --sections=peer \
+        --hf_python=HF_VENV/bin/python --peer_script=PEERS/hf_generate_bench.py \
+        --tunix_python=TUNIX_VENV/bin/python --tunix_script=PEERS/tunix_sampler_bench.py
 """
 
 from __future__ import annotations
@@ -56,11 +58,7 @@ from inference.sampling import SamplingParams
 from model import plan
 
 SECTIONS = ("cache", "continuous", "prefill", "speculative", "peer")
-# The peers' scripts live in the shared folder beside the checkout (`--peer_script` points elsewhere).
-PEER_SCRIPT = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers", "hf_generate_bench.py"
-)
-TUNIX_SCRIPT = os.path.join(os.path.dirname(PEER_SCRIPT), "tunix_sampler_bench.py")
+OWN_SECTIONS = SECTIONS[:-1]  # the default: every section that needs no peer
 # Peer dims (the peers' README figures use them): 4 layers, d_model 256, 4/2 heads of 64, vocab 8192.
 PEER_DIMS = dict(layers=4, d_model=256, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=8192)
 PEER_MOE = dict(experts=8, top_k=2, expert_ffn=256)
@@ -614,10 +612,28 @@ def peer_engine_kwargs() -> dict:
     return dict(max_batch=16, max_seq_len=320, page_size=16, prefill_chunk=64, prefill_batch=4, min_bucket=16)
 
 
+def check_peers(p: argparse.ArgumentParser, peers: dict[str, str], args) -> list[str]:
+    """The peers given whole: `peers` maps an interpreter flag to its script flag (dests without "--"). A peer
+    needs both, and neither has a default (the peers' venvs and scripts are not part of this repository):
+    one without the other, or a script that does not exist, is an argparse error naming the flag."""
+    given = []
+    for python_flag, script_flag in peers.items():
+        python, script = getattr(args, python_flag), getattr(args, script_flag)
+        if bool(python) != bool(script):
+            have, missing = (python_flag, script_flag) if python else (script_flag, python_flag)
+            p.error(
+                f"--{have} needs --{missing}=PATH too (no default: the peers live outside this repository)"
+            )
+        if script and not os.path.isfile(script):
+            p.error(f"--{script_flag}={script}: no such file")
+        if python:
+            given.append(python_flag)
+    return given
+
+
 def main() -> None:
-    global PEER_SCRIPT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--sections", default=",".join(OWN_SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run, not the figures)")
     p.add_argument("--repeats", type=int, default=2, help="timed engine calls per measurement (fastest kept)")
     p.add_argument("--cache_prompt", type=int, default=32)
@@ -636,21 +652,21 @@ def main() -> None:
     )
     p.add_argument("--peer_archs", default="qwen3,qwen3moe")
     p.add_argument("--peer_repeats", type=int, default=3)
-    p.add_argument("--peer_script", default=PEER_SCRIPT, help="transformers peer: hf_generate_bench.py")
+    p.add_argument("--peer_script", default="", help="transformers peer: PATH of hf_generate_bench.py")
     p.add_argument("--hf_python", default="", help="interpreter of a venv with torch + transformers")
-    p.add_argument("--tunix_script", default=TUNIX_SCRIPT, help="Tunix peer: tunix_sampler_bench.py")
+    p.add_argument("--tunix_script", default="", help="Tunix peer: PATH of tunix_sampler_bench.py")
     p.add_argument("--tunix_python", default="", help="interpreter of a venv with google-tunix")
     a = p.parse_args()
-    PEER_SCRIPT = a.peer_script
     chosen = [s for s in a.sections.split(",") if s]
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
         p.error(f"unknown --sections {unknown}; choose from {SECTIONS}")
-    if "peer" in chosen and not (a.hf_python or a.tunix_python):
-        print("# no --hf_python / --tunix_python: the peer section runs ours only", file=sys.stderr)
-    for python, script in ((a.hf_python, a.peer_script), (a.tunix_python, a.tunix_script)):
-        if python and not os.path.exists(script):
-            p.error(f"peer script {script} not found (--peer_script / --tunix_script)")
+    peers = check_peers(p, {"hf_python": "peer_script", "tunix_python": "tunix_script"}, a)
+    if "peer" in chosen and not peers:
+        p.error(
+            "--sections=peer needs a peer: --hf_python=PATH with --peer_script=PATH (transformers) and/or "
+            "--tunix_python=PATH with --tunix_script=PATH (Tunix)"
+        )
     if a.quick:
         a.cache_new, a.requests, a.max_new, a.train_steps = 32, 16, 64, 30
         a.spec_new, a.chi2_samples, a.peer_repeats, a.repeats = 32, 64, 1, 1

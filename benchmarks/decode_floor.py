@@ -1,4 +1,4 @@
-"""python benchmarks/decode_floor.py [--tunix_python=../venv-tunix/bin/python]
+"""python benchmarks/decode_floor.py [--tunix_python=TUNIX_VENV/bin/python --tunix_script=PATH]
 
 The matmul floor of one decode step on the peer anchor shapes (`decode.PEER_DIMS`, `PEER_MOE`: 4 layers,
 d_model 256, 4 query / 2 kv heads of 64, vocab 8192; dense d_ff 1024 or 8 experts of d_ff 256, every expert
@@ -11,7 +11,8 @@ Two layouts: `separate` (one matmul per weight, as the model stores them) and `f
 concatenated: one matmul each, the layout a fused-projection model would keep). The floor bounds what any
 decode engine on this machine's XLA:CPU matmuls can reach at these shapes: tok/s = 16 / (seconds per step).
 
-One `decode_floor` JSON line per arch; with --tunix_python also the Tunix sampler's tok/s (prefill
+One `decode_floor` JSON line per arch; with --tunix_python (a venv with google-tunix) and --tunix_script (the
+peer's tunix_sampler_bench.py; neither is part of this repository) also the Tunix sampler's tok/s (prefill
 included, as in decode.py's peer section) run right after in this session, and the floor over it.
 """
 
@@ -25,7 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from decode import PEER_DIMS, PEER_MOE, TUNIX_SCRIPT, emit, run_peer
+from decode import PEER_DIMS, PEER_MOE, check_peers, emit, run_peer
 
 BATCH = 16
 
@@ -101,9 +102,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64, help="decode steps per timed call (the peers' 64 tokens)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--tunix_python", default="", help="interpreter of a venv with google-tunix (none: skip)")
-    p.add_argument("--tunix_script", default=TUNIX_SCRIPT)
+    p.add_argument("--tunix_script", default="", help="PATH of the peer's tunix_sampler_bench.py")
     p.add_argument("--peer_repeats", type=int, default=3)
     a = p.parse_args()
+    check_peers(p, {"tunix_python": "tunix_script"}, a)
     for arch in a.archs.split(","):
         line = {"bench": "decode_floor", "arch": arch, "batch": BATCH, "loadavg_start": os.getloadavg()}
         for layout in ("separate", "fused"):

@@ -1,7 +1,8 @@
 """python benchmarks/grpo_step.py
 
 Seconds per GRPO step of the main job (`python -m rl.train`) on the Tunix peer's shapes, beside Tunix's
-own step (`--tunix_python`: the peer script `tunix_grpo_step_bench.py` in a venv with google-tunix).
+own step (`--tunix_python`: a venv with google-tunix, running `--peer_script`: the peer's
+`tunix_grpo_step_bench.py`; neither is part of this repository, so both are given by path).
 
 Shapes (the peer's defaults; `decode.PEER_DIMS` / `PEER_MOE`): a random-init Qwen3-like model (4 layers,
 d_model 256, 4 query / 2 kv heads of 64, vocab 8192, qk-norm, rope theta 1e6, f32), dense d_ff 1024
@@ -34,7 +35,8 @@ line (ratios tunix / ours and every difference between the two measurements we k
 `grpo_step_summary` line with the targets (step ratio >= 2, first step <= Tunix's) and whether they are met.
 
     python benchmarks/grpo_step.py --quick
-    python benchmarks/grpo_step.py --steps=5 --tunix_python=../venv-tunix/bin/python
+    python benchmarks/grpo_step.py --steps=5 --tunix_python=TUNIX_VENV/bin/python \
+        --peer_script=PEERS/tunix_grpo_step_bench.py
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import matmul_peak  # noqa: E402
-from decode import PEER_DIMS, PEER_MOE, emit, model_config  # noqa: E402
+from decode import PEER_DIMS, PEER_MOE, check_peers, emit, model_config  # noqa: E402
 
 from configs import grpo as grpo_config  # noqa: E402
 from configs import schema  # noqa: E402
@@ -67,9 +69,6 @@ from model import plan  # noqa: E402
 from rl import distributed, rollout, train_step, validate  # noqa: E402
 from rl.train import _warm_up, _weight_sync  # noqa: E402  (the main job's own helpers)
 
-PEER_SCRIPT = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers", "tunix_grpo_step_bench.py"
-)
 SHAPES = dict(prompts=4, group=4, prompt_len=32, new_tokens=64, beta=0.04, lr=1e-4)
 TARGETS = dict(step_ratio=2.0, first_step_ratio=1.0)  # tunix / ours: at least these
 _COMPILES = {"n": 0, "s": 0.0}
@@ -498,11 +497,10 @@ def main() -> None:
         default="",
         help="trace the last step's update into DIR/ARCH for profile_ops.py (the profiler slows that step)",
     )
-    p.add_argument("--peer_script", default=PEER_SCRIPT, help="tunix_grpo_step_bench.py")
+    p.add_argument("--peer_script", default="", help="PATH of the peer's tunix_grpo_step_bench.py")
     a = p.parse_args()
+    check_peers(p, {"tunix_python": "peer_script"}, a)
     steps = 2 if a.quick else a.steps
-    if a.tunix_python and not os.path.exists(a.peer_script):
-        sys.exit(f"--peer_script {a.peer_script} not found")
     jax.monitoring.register_event_duration_secs_listener(_on_compile)
     summary = {"bench": "grpo_step_summary", "steps": steps, "loadavg_start": loadavg(), "archs": {}}
     for arch in a.archs.split(","):

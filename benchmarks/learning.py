@@ -41,6 +41,7 @@ import sys
 import time
 
 import numpy as np
+from record import portable, portable_list
 
 # The repo root first: benchmarks/envs.py would shadow the `envs` package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -274,7 +275,9 @@ def main(argv=None) -> list[dict]:
             with open(args.out, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    emit({"kind": "args", **vars(args), "load": os.getloadavg()})
+    paths = {k: portable(getattr(args, k)) for k in ("workdir", "out", "plot")}  # no machine's paths
+    paths["from_jsonl"] = portable_list(args.from_jsonl)
+    emit({"kind": "args", **vars(args), **paths, "load": os.getloadavg()})
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {}
     if args.from_jsonl:
         curves = curves_from_jsonl(args.from_jsonl.split(","))
