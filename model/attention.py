@@ -27,6 +27,7 @@ import ml_collections
 from flax import nnx
 
 from model import layers, rope, sharding
+from model.config import note_path
 
 # Finite so that a fully masked row gives a uniform softmax (then zeroed), never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -130,7 +131,9 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -
 
 
 def auto_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
-    fn = flash_attention if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else chunked_attention
+    backend = jax.default_backend()
+    fn = flash_attention if backend in ("tpu", "gpu", "cuda", "rocm") else chunked_attention
+    note_path(f"model.attention_impl=auto: {fn.__name__.removesuffix('_attention')} on {backend}")
     return fn(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
 
 
@@ -150,6 +153,10 @@ def ring_self_attention(
     mesh = jax.sharding.get_abstract_mesh()
     axis = _ring_axis(rules)
     if mesh.empty or axis is None or dict(mesh.shape).get(axis, 1) == 1:
+        note_path(
+            f"model.attention_impl=ring runs chunked attention: act_length maps to mesh axis {axis!r}, which "
+            "is absent or of size 1 here (no sequence parallelism to ring over)"
+        )
         return chunked_attention(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
     from pallas_kernels import ring_attention as kernel
 

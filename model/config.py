@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import ml_collections
 
 from configs.schema import ConfigError  # one error type for every config check
 from model import sharding
 
-__all__ = ["ConfigError", "layer_counts", "validate", "validate_model"]
+__all__ = ["ConfigError", "layer_counts", "note_path", "validate", "validate_model"]
+
+
+@functools.cache
+def note_path(message: str) -> None:
+    """Says once per process, at INFO (the main job's log.txt), which code path a config value chose where
+    it chose silently before (`auto` resolved, a fallback taken): e.g. the attention kernel, the experts'
+    dispatch."""
+    logging.getLogger("model").info(message)
 
 
 def _check(cond: bool, msg: str) -> None:

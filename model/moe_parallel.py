@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from model import sharding
+from model.config import note_path
 from model.moe_dispatch import (
     combine_rows,
     gather_rows,
@@ -134,6 +135,7 @@ def layout(
                 f"model.moe.expert_parallel=shard_map: {problem}; set it to auto (GSPMD there) or gspmd, "
                 "or change mesh.rules / the batch"
             )
+        note_path(f"model.moe.expert_parallel=auto: GSPMD dispatch for tokens [{b}, {t}]: {problem}")
         return None
     axis = exp_axes[0]
     shards = sizes[axis]

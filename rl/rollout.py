@@ -69,6 +69,7 @@ class Sample:
     episode_done: bool = True
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
     expert_indices: np.ndarray | None = None  # [L_moe, len(prompt_tokens + tokens), k] when recorded
+    advantage: float | None = None  # set by `make_batch`
 
     @property
     def num_generated(self) -> int:
@@ -471,6 +472,8 @@ def make_batch(
             batch["expert_indices"][:, r, :n] = s.expert_indices[:, :n]
     advantages_B = batch["advantages_B"]
     advantages_B[: len(samples)] = advantages(samples, std=adv_std, eps=eps)
+    for s, a in zip(samples, advantages_B.tolist()):
+        s.advantage = a
     if domains is not None:
         index = {d: i for i, d in enumerate(domains)}
         unknown = sorted({s.task.domain for s in samples} - set(index))

@@ -97,6 +97,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     if primary:
         _write_config(workdir, cfg)
     say(f"run {workdir}: " + ("new" if meta is None else _resume_note(meta, rl)))
+    for note in validate.notes(cfg):
+        say(f"note: {note}")
     env_kwargs = data.env_kwargs(cfg)
 
     # ---- Environments: gate, pool (before JAX touches a device), task streams, curriculum -----------------
@@ -885,6 +887,8 @@ def _log_samples(workdir: str, step: int, samples, *, kept: bool) -> None:
                 "kept": kept,
                 "domain": s.task.domain,
                 "task_id": s.task.id,
+                "group": s.group,
+                "advantage": s.advantage,
                 "prompt": s.task.prompt,
                 "text": s.text,
                 "reward": s.reward,

@@ -151,6 +151,27 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_engine(cfg)
 
 
+# GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): sequence-level ratios, averaged per
+# sequence, clipped to [1 - 3e-4, 1 + 4e-4]: a length-normalised ratio moves far less than a token's.
+GSPO_CLIP = (3e-4, 4e-4)
+
+
+def notes(cfg: ml_collections.ConfigDict) -> list[str]:
+    """Settings that run but are probably not what was meant, one line each (the main job prints them at
+    start): GSPO's sequence ratio with token-mean aggregation or PPO-sized clip ranges."""
+    loss, out = cfg.rl.loss, []
+    if loss.ratio == "sequence" and (
+        loss.aggregation == "token-mean" or max(loss.clip_low, loss.clip_high) >= 0.01
+    ):
+        out.append(
+            f"rl.loss.ratio='sequence' (GSPO) with aggregation={loss.aggregation!r}, "
+            f"clip_low={loss.clip_low}, clip_high={loss.clip_high}: the published GSPO recipe averages per "
+            f"sequence (aggregation='seq-mean-token-mean') and clips to clip_low={GSPO_CLIP[0]}, "
+            f"clip_high={GSPO_CLIP[1]} (a sequence's length-normalised ratio moves far less than a token's)"
+        )
+    return out
+
+
 def check_mesh(cfg: ml_collections.ConfigDict, processes: int, *, batch_shards: int) -> None:
     """What the processes and the trainer's mesh (`rl.distributed`) need of the config, checked once the
     mesh exists and before any other array does."""

@@ -9,6 +9,7 @@ model after a 10-step warm start.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +70,70 @@ def test_ppo_epochs_kl_top_k_and_env_kwargs(tmp_path):
     with open(tmp_path / "samples.jsonl") as f:
         episodes = [json.loads(line) for line in f]
     assert episodes and all(e["metadata"]["delay_s"] > 0 for e in episodes)
+
+
+def _loss_run(workdir, steps: int, ppo_epochs: int = 1, **loss):
+    """The test config with batch-std advantages, a bf16 KL reference and every sample logged, run (or
+    resumed) to `steps` with `loss` changes (a loss change resumes: only the model config is checked);
+    returns the last step's record."""
+    from rl import train
+
+    cfg = _cfg(steps=steps, checkpoint_every=1, log_samples=8, advantage_std="batch", ppo_epochs=ppo_epochs)
+    cfg.rl.reference_dtype = "bfloat16"
+    cfg.rl.loss.update(kl_kind="k3", kl_coef=0.05, **loss)
+    train.train(cfg, str(workdir), run_eval=False)
+    return [r for r in _records(workdir) if r["step"] == steps and "pipeline/train_s" in r][-1]
+
+
+def test_loss_options_each_change_the_update(tmp_path, capsys):
+    """One main job, resumed under each loss option, each asserting what the option changes:
+    advantage_std=batch (the logged advantages are (r - group mean) / (batch std + 1e-6), by hand),
+    reference_dtype=bfloat16 (the first update's KL is > 0: the reference is the policy rounded to bf16; an
+    f32 reference gives exactly 0), the corrections icepop / seq-mask / seq-reject with the band [1, 1]
+    (only sampler/trainer ratios of exactly 1 kept: the engine's and the trainer's programs round apart, so
+    tokens, and whole rows for the sequence corrections, are dropped) and none (weight 1 on every token), and
+    GSPO's ratio=sequence with seq-mean-token-mean over two PPO epochs: from one checkpoint, the same first
+    update, then the mean ratio is the token ratios' geometric mean per row, below their arithmetic mean
+    (AM-GM) at the same log-probs (same approx_kl)."""
+    run = tmp_path / "run"
+    first = _loss_run(run, 2)
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    by_step = {}
+    for s in samples:  # the kept samples are the batch (8 rows, all logged); dropped ones have none
+        if s["kept"]:
+            by_step.setdefault(s["step"], []).append(s)
+        else:
+            assert s["advantage"] is None, s
+    assert by_step
+    for step, rows in by_step.items():
+        rewards = np.array([s["reward"] for s in rows], np.float64)
+        groups = {}
+        for s in rows:
+            groups.setdefault(s["group"], []).append(s["reward"])
+        for s in rows:
+            expected = (s["reward"] - np.mean(groups[s["group"]])) / (rewards.std() + 1e-6)
+            assert s["advantage"] == pytest.approx(expected, rel=1e-5, abs=1e-6), (step, s)
+    assert "train/tis_weight_mean" in first  # the default correction (tis) weighs the first run
+    kl_first = [r["train/kl"] for r in _records(run) if "train/kl" in r][0]
+    assert 0 < kl_first < 1e-2, kl_first
+
+    band = dict(correction_low=1.0, correction_high=1.0)
+    for steps, correction in ((3, "icepop"), (4, "seq-mask"), (5, "seq-reject")):
+        r = _loss_run(run, steps, correction=correction, **band)
+        assert "train/loss" in r, (correction, r)
+        assert r["train/correction_kept_fraction"] < 1.0, (correction, r)
+    branch = tmp_path / "branch"
+    shutil.copytree(run, branch)  # checkpoint 5, for the ratio comparison below
+    gspo = dict(ppo_epochs=2, correction="none", aggregation="seq-mean-token-mean", **band)
+    token = _loss_run(run, 6, ratio="token", **gspo)
+    # none: weight 1 on every trained token, whatever the band.
+    assert token["train/is_weight_mean"] == token["train/correction_kept_fraction"] == 1.0, token
+    capsys.readouterr()
+    sequence = _loss_run(branch, 6, ratio="sequence", **gspo)
+    assert "GSPO" in capsys.readouterr().err  # the published clip ranges are named
+    assert token["train/updates"] == sequence["train/updates"] == 2.0
+    assert sequence["train/approx_kl"] == pytest.approx(token["train/approx_kl"], rel=1e-3)
+    assert sequence["train/ratio_mean"] < token["train/ratio_mean"]
 
 
 def test_gradient_projection_between_domains_with_the_model_drafter(tmp_path):
