@@ -1,4 +1,6 @@
-"""python -m model.plan --config=configs/deepseek_v3.py --mesh=data:8,fsdp:16,expert:64,tensor:4
+"""python -m model.plan --config=configs/deepseek_v3.py --mesh=fsdp:16,expert:64 --batch=1024
+
+(1,024 chips: 82 GiB a chip of a TPU v5p's 95 for a 1024 x 4096-token step.)
 
 DeepSeek-V3's published geometry (deepseek-ai/DeepSeek-V3 config.json; DeepSeek-V3.1 / R1 share it):
 61 layers, d_model 7168, the first 3 layers dense (width 18432), then 256 routed experts (top-8 within

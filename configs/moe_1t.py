@@ -1,4 +1,6 @@
-"""python -m model.plan --config=configs/moe_1t.py --mesh=data:8,fsdp:32,expert:64,tensor:4
+"""python -m model.plan --config=configs/moe_1t.py --mesh=fsdp:16,expert:64 --batch=1024
+
+(1,024 chips, e.g. a TPU v5p-2048 slice: 59 GiB a chip of its 95 for a 1024 x 4096-token step.)
 
 Trillion-parameter class: Kimi K2's published geometry (moonshotai/Kimi-K2-Instruct config.json). 61
 layers, d_model 7168, the first layer dense (width 18432), then 384 routed experts (top-8, width 2048)

@@ -1,6 +1,6 @@
 """python -m rl.train --config=configs/grpo.py:tiny --workdir=runs/tiny
 
-The main job: GRPO post-training over task domains, one step as in ../DESIGN.md ("One GRPO step, as data").
+The main job: GRPO post-training over task domains, one step as the README's "GRPO post-training" says.
 `train(cfg, workdir)` reads top to bottom in the order a run happens:
 
 1. Config, workdir, console: `rl.validate.validate` checks every field first, then `rl.data.check_domains`
