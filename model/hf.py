@@ -7,7 +7,9 @@ whole model twice, and with a mesh each device's shard is assembled from only wh
 
 Our parameters stack layers ([L, ...] when `scan_layers`) and experts ([E, ...]); HF stores one tensor
 per layer and expert, linear weights as [out, in]. `_TABLE` maps each of our parameter paths to its HF
-name and layout; `hf_config` maps the configs. Supported architectures: `hf_config.ARCHITECTURES`.
+name and layout; `hf_config` maps the configs; `hf_files` reads and writes the safetensors files.
+Supported architectures: `hf_config.ARCHITECTURES`. What config.json declares and only the tensors tell
+(Qwen2-MoE's shared-expert gates) is `read_config`'s.
 """
 
 from __future__ import annotations
@@ -27,11 +29,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from model import config as config_lib
-from model import hf_config, sharding
+from model import hf_config, hf_files, sharding
 from model.moe import ExpertBias
 from model.transformer import Transformer
 
@@ -43,9 +43,10 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 class _Entry:
     """How one of our parameter paths (inside a layer, or top-level) is stored in HF."""
 
-    name: str  # HF name, with {layer} / {expert} / {moe} placeholders
+    name: str  # HF name, with {layer} / {expert} and `_names` placeholders ({moe}, {shared}, ...)
     layout: str  # "linear": [out, in] stored, ours is its transpose; "flat": 1-D; "same": same shape
     in_dims: int = 1  # linear: how many of our leading element dims form `in`
+    gated: bool = False  # stored x 2 where the format halves it by a zero gate (`hf_config.Arch.shared_gate`)
 
 
 _LAYER = "model.layers.{layer}."
@@ -72,9 +73,9 @@ _TABLE = {
     ("attn", "kv_b"): _Entry(_LAYER + "self_attn.kv_b_proj.weight", "linear"),
     ("moe", "router"): _Entry(_LAYER + "{moe}.gate.weight", "linear"),
     ("moe", "expert_bias"): _Entry(_LAYER + "{moe}.gate.e_score_correction_bias", "flat"),
-    ("moe", "shared", "gate"): _Entry(_LAYER + "{moe}.shared_experts.gate_proj.weight", "linear"),
-    ("moe", "shared", "up"): _Entry(_LAYER + "{moe}.shared_experts.up_proj.weight", "linear"),
-    ("moe", "shared", "down"): _Entry(_LAYER + "{moe}.shared_experts.down_proj.weight", "linear"),
+    ("moe", "shared", "gate"): _Entry(_LAYER + "{moe}.{shared}.gate_proj.weight", "linear"),
+    ("moe", "shared", "up"): _Entry(_LAYER + "{moe}.{shared}.up_proj.weight", "linear"),
+    ("moe", "shared", "down"): _Entry(_LAYER + "{moe}.{shared}.down_proj.weight", "linear", gated=True),
     ("moe", "gate"): _Entry(_LAYER + "{moe}.experts.{expert}.{gate}.weight", "linear"),
     ("moe", "up"): _Entry(_LAYER + "{moe}.experts.{expert}.{up}.weight", "linear"),
     ("moe", "down"): _Entry(_LAYER + "{moe}.experts.{expert}.{down}.weight", "linear"),
@@ -89,6 +90,8 @@ _TABLE = {
 }
 # Copies of the shared embedding and output matrix that DeepSeek-V3 stores in each MTP layer.
 _MTP_COPIES = {"embed_tokens.weight": ("embed", "embedding"), "shared_head.head.weight": ("unembed",)}
+# Qwen2-MoE's shared-expert gate (one per MoE layer), which our model has not: stored as zeros.
+_SHARED_GATE = _LAYER + "{moe}.{shared}_gate.weight"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +124,23 @@ class _Param:
 
 
 def _names(arch: str) -> dict:
-    _, moe, experts = hf_config.ARCHITECTURES[arch]
-    gate, up, down = experts or (None, None, None)
-    return {"moe": moe, "gate": gate, "up": up, "down": down, "shared": arch == "DeepseekV3ForCausalLM"}
+    """The placeholders of `_Entry.name` for `arch`, and its `shared_gate`."""
+    a = hf_config.ARCHITECTURES[arch]
+    gate, up, down = a.experts or (None, None, None)
+    return {
+        "moe": a.moe,
+        "gate": gate,
+        "up": up,
+        "down": down,
+        "shared": a.shared,
+        "shared_gate": a.shared_gate,
+    }
+
+
+def _scale(p: _Param, names: dict) -> float:
+    """Stored / ours: 2 for the shared down_proj behind Qwen2-MoE's zero gate (sigmoid(0) = 1/2), else 1.
+    Both ways exact (a power of two) but for overflow, or a subnormal halved on loading."""
+    return 2.0 if p.entry.gated and names["shared_gate"] else 1.0
 
 
 def _describe(params_state: nnx.State, cfg: ml_collections.ConfigDict) -> list[_Param]:
@@ -201,89 +218,8 @@ def _to_hf(elem: np.ndarray, p: _Param) -> np.ndarray:
     return elem.reshape(hf_shape)
 
 
-_SCALE_SUFFIX = "_scale_inv"  # FP8 checkpoints: `<name>_scale_inv` beside each e4m3 `<name>`
-
-
-def _read_raw(path: pathlib.Path, name: str) -> np.ndarray:
-    """One tensor read from the safetensors layout itself (8-byte header size, JSON header, data): the
-    numpy reader of safetensors does not know the float8 dtypes."""
-    import ml_dtypes
-
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(size))[name]
-        begin, end = info["data_offsets"]
-        f.seek(8 + size + begin)
-        data = f.read(end - begin)
-    dtypes = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
-    return np.frombuffer(data, dtypes[info["dtype"]]).reshape(info["shape"])
-
-
-def dequantize_blocks(w_OI: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """f32 weights of a block-quantized [out, in] tensor: block (i, j) of `block` rows x cols is
-    multiplied by scale_inv[i, j] (edge blocks are partial)."""
-    o, i = w_OI.shape
-    bo, bi = block
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:o, :i]
-    return w_OI.astype(np.float32) * s
-
-
-class _Checkpoint:
-    """Lazy access to the tensors of a directory of safetensors files. FP8 block-quantized tensors
-    (`quantization_config.weight_block_size`) are dequantized to f32 as they are read, one at a time."""
-
-    def __init__(self, directory: pathlib.Path, block: tuple[int, int] | None = None):
-        self.block = block
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (directory / "model.safetensors").exists():
-            with safe_open(directory / "model.safetensors", "np") as f:
-                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise FileNotFoundError(
-                f"{directory}: no model.safetensors or model.safetensors.index.json; pass the checkpoint "
-                "directory (PyTorch .bin checkpoints are not read: convert them to safetensors)"
-            )
-        self.directory, self.weight_map = directory, weight_map
-        self._files: dict[str, object] = {}
-
-    def _file(self, name: str):
-        fname = self.weight_map[name]
-        if fname not in self._files:
-            self._files[fname] = safe_open(self.directory / fname, "np").__enter__()
-        return self._files[fname]
-
-    def shape_dtype(self, name: str) -> tuple[tuple, str]:
-        s = self._file(name).get_slice(name)
-        return tuple(s.get_shape()), s.get_dtype()
-
-    def quantized(self, name: str) -> bool:
-        return self.shape_dtype(name)[1] in _FP8_DTYPES
-
-    def read(self, name: str) -> np.ndarray:
-        """A copy of one tensor (FP8: dequantized to f32); the file is mapped only while it is read, so the
-        pages of tensors already placed do not stay resident (they would count once more against host
-        memory)."""
-        if self.quantized(name):
-            w = _read_raw(self.directory / self.weight_map[name], name)
-            scale = self.read(name + _SCALE_SUFFIX)
-            return dequantize_blocks(w, scale, self.block)
-        with safe_open(self.directory / self.weight_map[name], "np") as f:
-            return f.get_tensor(name)
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.__exit__(None, None, None)
-        self._files.clear()
-
-
-_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
-_FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
-
-
 def _check(
-    ckpt: _Checkpoint, params: list[_Param], names: dict, tied: bool, ignored_layers=(), not_read=()
+    ckpt: hf_files.Checkpoint, params: list[_Param], names: dict, tied: bool, ignored_layers=(), not_read=()
 ) -> None:
     expected = {}
     for p in params:
@@ -294,7 +230,8 @@ def _check(
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
     ignorable = {n for n in present if n.endswith(_IGNORED_SUFFIXES)} | set(not_read)
-    ignorable |= {n for n in present if n.endswith(_SCALE_SUFFIX) and n[: -len(_SCALE_SUFFIX)] in expected}
+    scales = hf_files.SCALE_SUFFIX
+    ignorable |= {n for n in present if n.endswith(scales) and n[: -len(scales)] in expected}
     # MTP modules past model.mtp_layers (stored as decoder layers after the last one) are left unread.
     ignorable |= {n for n in present for i in ignored_layers if n.startswith(_LAYER.format(layer=i))}
     if tied:
@@ -309,17 +246,24 @@ def _check(
         shape, dtype = ckpt.shape_dtype(name)
         if shape != p.hf_shape():
             raise ValueError(f"tensor {name}: shape {shape}, but config.json implies {p.hf_shape()}")
-        if dtype in _FP8_DTYPES:
-            if ckpt.block is None or name + _SCALE_SUFFIX not in present:
+        if dtype in hf_files.FP8_DTYPES:
+            if ckpt.block is None or name + hf_files.SCALE_SUFFIX not in present:
                 raise ValueError(
-                    f"tensor {name}: dtype {dtype} needs {name + _SCALE_SUFFIX} and config.json's "
+                    f"tensor {name}: dtype {dtype} needs {name + hf_files.SCALE_SUFFIX} and config.json's "
                     "quantization_config.weight_block_size (block-quantized FP8)"
                 )
-        elif dtype not in _FLOAT_DTYPES:
+        elif dtype not in hf_files.FLOAT_DTYPES:
             raise ValueError(f"tensor {name}: dtype {dtype}; only float and block-quantized FP8 tensors load")
 
 
-def _reader(ckpt: _Checkpoint, p: _Param, names: dict):
+def _read(ckpt: hf_files.Checkpoint, p: _Param, names: dict, name: str) -> np.ndarray:
+    """HF tensor `name` of `p` in its stored layout, at our scale (`_scale`)."""
+    x = ckpt.read(name)
+    scale = _scale(p, names)
+    return x if scale == 1.0 else x * x.dtype.type(1 / scale)
+
+
+def _reader(ckpt: hf_files.Checkpoint, p: _Param, names: dict):
     """Callback for `make_array_from_callback`: the shard `index` of parameter `p`, read tensor by tensor."""
     lead = p.lead
     all_elems = dict(_elements(p, names))
@@ -334,7 +278,7 @@ def _reader(ckpt: _Checkpoint, p: _Param, names: dict):
         out = np.empty(out_shape, p.dtype)
         for pos in np.ndindex(*[len(r) for r in lead_ranges]):
             key = tuple(r[i] for r, i in zip(lead_ranges, pos))
-            out[pos] = _to_ours(ckpt.read(all_elems[key]), p)[rest].astype(p.dtype)
+            out[pos] = _to_ours(_read(ckpt, p, names, all_elems[key]), p)[rest].astype(p.dtype)
         return out
 
     return read
@@ -358,12 +302,12 @@ def _set_element(array, hf_elem, lead_K, layout: str, elem_shape: tuple):
     return bits(out, dtype) if as_bits else out
 
 
-def _assemble_in_place(ckpt: _Checkpoint, p: _Param, names: dict, sharding_) -> jax.Array:
+def _assemble_in_place(ckpt: hf_files.Checkpoint, p: _Param, names: dict, sharding_) -> jax.Array:
     """The parameter built on its device element by element (one layer / expert at a time), each update
     donated so XLA writes in place: the host holds one HF tensor, never a stacked [L, E, ...] copy."""
     if not p.lead:  # one tensor: placed as it is, no zeros buffer beside it
         ((_, name),) = _elements(p, names)
-        host = _to_ours(ckpt.read(name), p).astype(p.dtype, copy=False)
+        host = _to_ours(_read(ckpt, p, names, name), p).astype(p.dtype, copy=False)
         array = jax.device_put(host, sharding_)
         array.block_until_ready()  # the transfer holds `host` until it has run
         del host
@@ -372,7 +316,7 @@ def _assemble_in_place(ckpt: _Checkpoint, p: _Param, names: dict, sharding_) -> 
     array = jax.jit(lambda: jax.numpy.zeros(p.shape, p.dtype), out_shardings=sharding_)()
     for lead, name in _elements(p, names):
         lead_K = np.asarray(lead, np.int32)  # traced: one compile per parameter, not per layer
-        array = _set_element(array, ckpt.read(name), lead_K, p.entry.layout, p.elem_shape)
+        array = _set_element(array, _read(ckpt, p, names, name), lead_K, p.entry.layout, p.elem_shape)
         array.block_until_ready()  # the element's host buffers are free once the update ran
         _release_freed_host_memory()
     return array
@@ -385,19 +329,67 @@ def _release_freed_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _zero_tensors(cfg: ml_collections.ConfigDict, names: dict, hf: dict) -> dict[str, tuple]:
+    """{name: shape} of what `save` writes as zeros: tensors the format (config.json `hf`) has and our model
+    not (Qwen2-MoE's shared-expert gates, and its q/k/v biases when qkv_bias is set for a model without)."""
+    m = cfg.model
+    out = {}
+    if names["shared_gate"]:
+        out.update({_SHARED_GATE.format(layer=i, **names): (1, m.d_model) for i in _moe_layer_ids(m)})
+    if hf.get("qkv_bias") and not m.attention_bias:
+        widths = {"q": m.num_heads, "k": m.num_kv_heads, "v": m.num_kv_heads}
+        for i in range(m.num_layers):
+            for x, heads in widths.items():
+                out[_TABLE[("attn", f"{x}_bias")].name.format(layer=i)] = (heads * m.head_dim,)
+    return out
+
+
+def _moe_layer_ids(m: ml_collections.ConfigDict) -> range:
+    num_dense, _ = config_lib.layer_counts(m)
+    return range(num_dense, m.num_layers)
+
+
 def _mtp_copy(cfg, k: int, name: str) -> str:
     return _LAYER.format(layer=cfg.model.num_layers + k) + name
 
 
 def read_config(directory, *, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
-    """Our config for the checkpoint in `directory` (its config.json), with the dotted model fields of
-    `overrides` set (e.g. `hf_config.runtime_fields` of another config: {"remat": "full", ...})."""
-    path = pathlib.Path(directory) / "config.json"
+    """Our config for the checkpoint in `directory` (its config.json, with what its tensors decide:
+    `_match_tensors`), with the dotted model fields of `overrides` set (e.g. `hf_config.runtime_fields` of
+    another config: {"remat": "full", ...})."""
+    directory = pathlib.Path(directory)
+    path = directory / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; pass a Hugging Face checkpoint directory")
     cfg = hf_config.from_hf(json.loads(path.read_text()))
+    _match_tensors(cfg, directory)
     hf_config.set_fields(cfg.model, dict(overrides or {}))
     return cfg
+
+
+def _open(directory: pathlib.Path, hf: dict) -> hf_files.Checkpoint:
+    block = (hf.get("quantization_config") or {}).get("weight_block_size")
+    return hf_files.Checkpoint(directory, None if block is None else tuple(block))
+
+
+def _match_tensors(cfg: ml_collections.ConfigDict, directory: pathlib.Path) -> None:
+    """What config.json declares but the tensors decide: Qwen2-MoE's shared-expert gates must be zero."""
+    m, names = cfg.model, _names(cfg.hf.architecture)
+    if not names["shared_gate"]:
+        return
+    ckpt = _open(directory, cfg.hf.config.to_dict())
+    try:
+        for i in _moe_layer_ids(m):
+            name = _SHARED_GATE.format(layer=i, **names)
+            if name not in ckpt.weight_map:
+                raise ValueError(f"checkpoint is missing {name}")
+            if np.any(ckpt.read(name) != 0):
+                raise ValueError(
+                    f"{name} is not zero: our model has no gated shared expert, so only Qwen2-MoE "
+                    "checkpoints whose shared_expert_gate weights are all zero (as model.hf.save writes) load"
+                )
+    finally:
+        ckpt.close()
 
 
 def _abstract(cfg: ml_collections.ConfigDict, variables=nnx.Param):
@@ -430,8 +422,7 @@ def load(
     params = _describe(params_state, cfg)
     names = _names(cfg.hf.architecture)
     hf = cfg.hf.config.to_dict()
-    block = (hf.get("quantization_config") or {}).get("weight_block_size")
-    ckpt = _Checkpoint(directory, None if block is None else tuple(block))
+    ckpt = _open(directory, hf)
     first_unused = cfg.model.num_layers + cfg.model.mtp_layers  # MTP modules past model.mtp_layers
     mtp = range(first_unused, cfg.model.num_layers + hf_config.mtp_layers(hf))
     # Tensors of variables this call does not read (the expert biases, for a Param-only load) are known.
@@ -439,6 +430,7 @@ def load(
     read = {p.path for p in params}
     not_read = [n for p in _describe(everything, cfg) if p.path not in read for _, n in _elements(p, names)]
     not_read += [_mtp_copy(cfg, k, name) for k in range(cfg.model.mtp_layers) for name in _MTP_COPIES]
+    not_read += list(_zero_tensors(cfg, names, hf))  # the shared-expert gates, zero (`_match_tensors`)
     try:
         _check(ckpt, params, names, bool(cfg.model.tie_embeddings), mtp, not_read)
         if mesh is None:
@@ -490,55 +482,19 @@ def save(
     out_dtype = np.dtype(jax.numpy.dtype(cfg.model.param_dtype))
     described = _describe(params, cfg)
     values = dict(nnx.to_flat_state(params))
-    writer = _ShardWriter(directory, max_shard_bytes)
+    writer = hf_files.ShardWriter(directory, max_shard_bytes)
     for p in described:
         host = np.asarray(jax.device_get(sharding.variable_value(values[p.path])))
         dt = p.dtype if p.entry.name.endswith("e_score_correction_bias") else out_dtype  # f32 in HF too
+        scale = _scale(p, names)
         for lead, name in _elements(p, names):
-            writer.add(name, _to_hf(host[lead], p).astype(dt))
+            stored = _to_hf(host[lead], p).astype(dt)
+            writer.add(name, stored if scale == 1.0 else stored * stored.dtype.type(scale))
         copies = [n for n, ours in _MTP_COPIES.items() if ours == p.path]  # MTP layers' shared copies
         for k in range(cfg.model.mtp_layers) if copies else ():
             writer.add(_mtp_copy(cfg, k, copies[0]), _to_hf(host, p).astype(dt))
         del host
+    for name, shape in _zero_tensors(cfg, names, hf).items():
+        writer.add(name, np.zeros(shape, out_dtype))
     writer.finish()
     (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
-
-
-class _ShardWriter:
-    """Writes tensors into safetensors files of at most `max_bytes` (a tensor larger than that gets a
-    file of its own) under temporary names; `finish` renames them `model-NNNNN-of-MMMMM.safetensors`
-    (or `model.safetensors` when there is one) and writes the index."""
-
-    def __init__(self, directory: pathlib.Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
-        self.pending: dict[str, np.ndarray] = {}
-        self.size = 0
-        self.written: list[tuple[pathlib.Path, list[str], int]] = []
-
-    def add(self, name: str, tensor: np.ndarray) -> None:
-        if self.pending and self.size + tensor.nbytes > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor
-        self.size += tensor.nbytes
-
-    def _flush(self) -> None:
-        tmp = self.directory / f".shard-{len(self.written):05d}.safetensors.tmp"
-        save_file(self.pending, str(tmp), metadata={"format": "pt"})
-        self.written.append((tmp, sorted(self.pending), self.size))
-        self.pending, self.size = {}, 0
-
-    def finish(self) -> None:
-        self._flush()
-        total = len(self.written)
-        weight_map, total_size = {}, 0
-        for n, (tmp, tensor_names, nbytes) in enumerate(self.written, start=1):
-            final = "model.safetensors" if total == 1 else f"model-{n:05d}-of-{total:05d}.safetensors"
-            tmp.replace(self.directory / final)
-            weight_map.update({name: final for name in tensor_names})
-            total_size += nbytes
-        index = self.directory / "model.safetensors.index.json"
-        if total > 1:
-            body = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-            index.write_text(json.dumps(body, indent=2, sort_keys=True))
-        elif index.exists():
-            index.unlink()

@@ -1,30 +1,49 @@
 """Hugging Face `config.json` <-> our `ml_collections` config, for the architectures `model.hf` loads.
 
-Supported: Qwen3-MoE, Qwen3, Qwen2, Llama (3.x rope scaling included), Mixtral and DeepSeek-V3 (Kimi K2
-uses the same architecture: MLA, sigmoid routing with a selection bias, group-limited top-k, shared
-experts, YaRN). Anything else, or a supported architecture with a feature our model lacks
-(sliding-window layers, MoE layers that are not a contiguous run after the dense ones, shared experts
-outside DeepSeek-V3), gets a `ValueError` naming it.
+Supported: Qwen3-MoE, Qwen2-MoE, Qwen3, Qwen2, Llama (3.x rope scaling included), Mixtral and DeepSeek-V3
+(Kimi K2 uses the same architecture: MLA, sigmoid routing with a selection bias, group-limited top-k, shared
+experts, YaRN). Anything else, or a supported architecture with a feature our model lacks (sliding-window
+layers, MoE layers that are not a contiguous run after the dense ones), gets a `ValueError` naming it; so
+does a model of ours that no supported format can hold (`to_hf`, `default_architecture`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import ml_collections
 
 from configs import base, schema
 
-# architecture -> (model_type, MoE tensor prefix inside a layer, expert (gate, up, down) names)
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """What one HF architecture holds of our model, and its tensor names inside a decoder layer."""
+
+    model_type: str
+    moe: str | None = None  # MoE module of a layer (None: dense only)
+    experts: tuple[str, str, str] | None = None  # one routed expert's (gate, up, down) projections
+    shared: str | None = None  # the shared experts' module inside `moe` (None: the format has none)
+    # Qwen2-MoE: sigmoid(x @ shared_expert_gate.T) scales the shared expert's output. Ours has no such gate:
+    # it is stored as zeros (sigmoid(0) = 1/2 exactly) with the shared down_proj doubled (exact).
+    shared_gate: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+
+
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
 ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
-    "Qwen3ForCausalLM": ("qwen3", None, None),
-    "Qwen2ForCausalLM": ("qwen2", None, None),
-    "LlamaForCausalLM": ("llama", None, None),
-    "MixtralForCausalLM": ("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
-    "DeepseekV3ForCausalLM": ("deepseek_v3", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3MoeForCausalLM": Arch("qwen3_moe", "mlp", _SWIGLU, qk_norm=True),
+    "Qwen2MoeForCausalLM": Arch("qwen2_moe", "mlp", _SWIGLU, shared="shared_expert", shared_gate=True),
+    "Qwen3ForCausalLM": Arch("qwen3", qk_norm=True),
+    "Qwen2ForCausalLM": Arch("qwen2"),
+    "LlamaForCausalLM": Arch("llama"),
+    "MixtralForCausalLM": Arch("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
+    "DeepseekV3ForCausalLM": Arch("deepseek_v3", "mlp", _SWIGLU, shared="shared_experts"),
 }
+# Architectures whose experts are routed by a softmax over all of them (top-k of those probabilities).
+_SOFTMAX_MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 KNOWN_UNSUPPORTED = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2 routing (softmax scores, group-limited greedy selection)",
-    "Qwen2MoeForCausalLM": "gated shared experts",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
 }
 
@@ -109,7 +128,7 @@ def _rope(hf: dict, r: ml_collections.ConfigDict) -> None:
 
 def _moe_layout(hf: dict, arch: str, num_layers: int) -> int:
     """Number of leading dense layers; errors when the MoE layers are not the trailing run."""
-    if arch != "Qwen3MoeForCausalLM":
+    if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return 0
     step = int(hf.get("decoder_sparse_step", 1))
     dense = sorted(set(hf.get("mlp_only_layers") or []))
@@ -146,19 +165,24 @@ def from_hf(hf: dict) -> ml_collections.ConfigDict:
     m.d_ff = int(hf["intermediate_size"])
     m.norm_eps = float(hf["rms_norm_eps"])
     m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
-    m.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    m.attention_bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
+    m.qk_norm = ARCHITECTURES[arch].qk_norm
+    if arch == "Qwen2MoeForCausalLM":  # q/k/v biases unless the config says otherwise (transformers >= 5)
+        m.attention_bias = bool(hf.get("qkv_bias", True))
+    else:
+        m.attention_bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
     if hf.get("mlp_bias"):
         raise ValueError("config.json: mlp_bias=true is not supported")
     _rope(hf, m.rope)
-    if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch in _SOFTMAX_MOE:
         e = m.moe
         e.num_experts = int(hf.get("num_experts") or hf["num_local_experts"])
         e.top_k = int(hf["num_experts_per_tok"])
         e.d_ff = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
         e.num_shared_experts = 0
+        if ARCHITECTURES[arch].shared:  # Qwen2-MoE: one shared expert (its gate: `model.hf`)
+            e.num_shared_experts, e.shared_d_ff = 1, int(hf["shared_expert_intermediate_size"])
         e.router = "softmax"
-        # Mixtral renormalises the top-k softmax weights; Qwen3-MoE does when norm_topk_prob is set.
+        # Mixtral renormalises the top-k softmax weights; the Qwen MoEs do when norm_topk_prob is set.
         e.renormalize = arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False))
         e.first_dense_layers = _moe_layout(hf, arch, m.num_layers)
         e.load_balance_weight = float(hf.get("router_aux_loss_coef", e.load_balance_weight))
@@ -208,16 +232,16 @@ def mtp_layers(hf: dict) -> int:
 
 
 def to_hf(cfg: ml_collections.ConfigDict) -> dict:
-    """An HF `config.json` dict for our config: the loaded one updated, or a new one for our own models."""
+    """An HF `config.json` dict for our config: the loaded one updated, or a new one for our own models.
+    A model the format cannot hold is a one-line `ValueError` (`rl.export` asks before restoring a run)."""
     m = cfg.model
     arch = cfg.hf.architecture if "hf" in cfg else default_architecture(cfg)
     hf = dict(cfg.hf.config.to_dict() if "hf" in cfg else {})
+    _check_fits(m, arch)
     deepseek = arch == "DeepseekV3ForCausalLM"
-    if m.moe.num_experts and m.moe.num_shared_experts and not deepseek:
-        raise ValueError("model.moe.num_shared_experts > 0 has no counterpart in the supported HF formats")
     if m.rope.scaling not in ("none", "linear", "llama3", "yarn"):
         raise ValueError(f"model.rope.scaling={m.rope.scaling!r} cannot be exported")
-    model_type = ARCHITECTURES[arch][0]
+    model_type = ARCHITECTURES[arch].model_type
     hf.update(
         architectures=[arch],
         model_type=model_type,
@@ -262,16 +286,48 @@ def to_hf(cfg: ml_collections.ConfigDict) -> dict:
     if deepseek:
         _deepseek_v3_to_hf(m, hf)
     elif m.moe.num_experts:
-        key = "num_experts" if arch == "Qwen3MoeForCausalLM" else "num_local_experts"
+        key = "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts"
         hf.update({key: m.moe.num_experts, "num_experts_per_tok": m.moe.top_k})
-        if arch == "Qwen3MoeForCausalLM":
+        if arch != "MixtralForCausalLM":
             hf.update(
                 moe_intermediate_size=m.moe.d_ff,
                 norm_topk_prob=bool(m.moe.renormalize),
                 decoder_sparse_step=1,
                 mlp_only_layers=list(range(m.moe.first_dense_layers)),
             )
+        if arch == "Qwen2MoeForCausalLM":
+            # Our shared experts side by side along the ffn axis are one SwiGLU of their summed width. Our own
+            # models get q/k/v biases (`model.hf.save` writes zeros when the model has none): most Qwen2-MoE
+            # readers (vLLM, transformers < 5) always have them.
+            width = m.moe.shared_d_ff * m.moe.num_shared_experts
+            qkv_bias = bool(m.attention_bias) or bool(hf.get("qkv_bias", True))
+            hf.update(shared_expert_intermediate_size=width, qkv_bias=qkv_bias, use_sliding_window=False)
     return hf
+
+
+def _check_fits(m: ml_collections.ConfigDict, arch: str) -> None:
+    """Raises a one-line ValueError when `arch` cannot hold the model `m` exactly."""
+    a = ARCHITECTURES[arch]
+    if bool(m.qk_norm) != a.qk_norm:
+        has = "has" if a.qk_norm else "has no"
+        raise ValueError(f"model.qk_norm={bool(m.qk_norm)} does not fit {arch}, which {has} query/key norms")
+    if bool(m.moe.num_experts) != bool(a.moe):
+        raise ValueError(f"model.moe.num_experts={m.moe.num_experts} does not fit {arch}")
+    if m.moe.num_experts and m.moe.num_shared_experts and not a.shared:
+        raise ValueError(
+            f"model.moe.num_shared_experts={m.moe.num_shared_experts}: {arch} has no shared experts"
+        )
+    if arch == "Qwen2MoeForCausalLM":
+        if not m.moe.num_shared_experts:
+            raise ValueError("Qwen2MoeForCausalLM needs a shared expert: model.moe.num_shared_experts >= 1")
+        if m.head_dim * m.num_heads != m.d_model:
+            raise ValueError(
+                f"model.head_dim={m.head_dim} x num_heads={m.num_heads} != d_model={m.d_model}: Qwen2-MoE "
+                "readers (transformers < 5, vLLM) take head_dim = hidden_size / num_attention_heads"
+            )
+    softmax = m.moe.router == "softmax" and m.moe.routed_scaling == 1.0
+    if arch in _SOFTMAX_MOE and m.moe.num_experts and not softmax:
+        raise ValueError(f"{arch} routes by softmax: model.moe.router='softmax', routed_scaling=1.0")
 
 
 def _deepseek_v3_to_hf(m: ml_collections.ConfigDict, hf: dict) -> None:
@@ -314,6 +370,16 @@ def default_architecture(cfg: ml_collections.ConfigDict) -> str:
             raise ValueError(
                 "model.moe.router must be 'softmax' with routed_scaling 1.0 to export to an HF format"
             )
+        if m.moe.num_shared_experts:
+            if m.qk_norm:
+                raise ValueError(
+                    "no Hugging Face format holds query/key norms (model.qk_norm=True) together with shared "
+                    "experts (model.moe.num_shared_experts > 0), as in every stock config: Qwen3-MoE has no "
+                    "shared expert, Qwen2-MoE no qk norm. Ways out: train with --config.model.qk_norm=False "
+                    "(exports as Qwen2MoeForCausalLM) or --config.model.moe.num_shared_experts=0 "
+                    "(Qwen3MoeForCausalLM), or use the run as it is (rl.evaluate, inference.serve --workdir)"
+                )
+            return "Qwen2MoeForCausalLM"
         if m.qk_norm:
             return "Qwen3MoeForCausalLM"
         if m.moe.renormalize and not m.moe.first_dense_layers and not m.attention_bias:

@@ -33,7 +33,13 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from configs.errors import UserError, require
+
 Message = Mapping[str, Any]
+
+
+class TokenizerNotFound(UserError, FileNotFoundError):
+    """A tokenizer path that holds no tokenizer; the message names the path and the fix."""
 
 
 class ChatTemplateError(ValueError):
@@ -434,16 +440,15 @@ class HFTokenizer(CheckpointTokenizer):
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> HFTokenizer:
         """Load `tokenizer.json` and the files beside it from a checkpoint directory."""
-        import tokenizers
-
         directory = pathlib.Path(path)
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise FileNotFoundError(
-                f"{tokenizer_file} not found: HFTokenizer reads a fast tokenizer's tokenizer.json. Copy it "
-                "from the checkpoint, or convert a slow (sentencepiece) tokenizer once with transformers' "
-                "AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
+            raise TokenizerNotFound(
+                f"{tokenizer_file} not found: give a tokenizer directory holding a fast tokenizer's "
+                "tokenizer.json (or Kimi K2's tiktoken.model) with rl.tokenizer / --tokenizer, or 'byte' for "
+                "the byte-level tokenizer (our own configs' vocab_size 256)"
             )
+        tokenizers = require("tokenizers", "a Hugging Face tokenizer (tokenizer.json)")
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         config = _read_json(directory / "tokenizer_config.json")
         named = _checkpoint_named_tokens(directory, config)
@@ -572,9 +577,9 @@ def load_tokenizer(path: str | os.PathLike | None, vocab_size: int | None = None
     if path is None or path == "byte":
         return ByteTokenizer(256 if vocab_size is None else vocab_size)
     if not pathlib.Path(path).is_dir():
-        raise FileNotFoundError(
+        raise TokenizerNotFound(
             f"tokenizer path {str(path)!r} is not a directory; give a checkpoint directory holding "
-            "tokenizer.json (or tiktoken.model), or 'byte' (or None) for the byte-level tokenizer"
+            "tokenizer.json (or tiktoken.model), or 'byte' for the byte-level tokenizer"
         )
     directory = pathlib.Path(path)
     tokenizer: Tokenizer

@@ -11,15 +11,21 @@ A run's train state (its latest checkpoint, or `--step`) as a Hugging Face check
   rl.init_from sets to the checkpoint's when it has one).
 
 The run's config and checkpoint are read as `rl.evaluate` reads them (`load_run_config`, `restore_state`).
+A model no supported format holds (`model.hf_config.to_hf`), or an --out that is a file or a non-empty
+directory, is refused before the checkpoint is read; --out appears complete or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+from configs.errors import UserError
 
 # What `model.tokenizer.HFTokenizer.from_dir` reads (generation_config.json: extra stop ids), and the slow
 # tokenizer files transformers reads when tokenizer.json is absent.
@@ -35,6 +41,11 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+
+
+class ExportRefused(UserError, ValueError):
+    """The run cannot be exported as asked (its model has no supported format, or --out holds files); raised
+    before the checkpoint is read. The CLI prints it as one line."""
 
 
 def copy_tokenizer(source: str, out: str) -> list[str]:
@@ -55,16 +66,52 @@ def copy_tokenizer(source: str, out: str) -> list[str]:
 def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) -> dict[str, Any]:
     """Writes the checkpoint of `workdir` at `step` (default: the latest) into `out` as a Hugging Face
     checkpoint; returns {"step", "tokenizer_files"}. `cfg`: the run's config (default:
-    `<workdir>/config.json`)."""
-    from model import hf
+    `<workdir>/config.json`). Raises `ExportRefused` (a ValueError), before reading the checkpoint, when no
+    supported format holds the model or `out` is a file or a non-empty directory. The files are written into
+    a new directory beside `out` and renamed to it at the end; on any error nothing is left."""
+    from model import hf, hf_config
     from rl import evaluate, train_step
 
     cfg = cfg if cfg is not None else evaluate.load_run_config(workdir)
+    try:
+        hf_config.to_hf(cfg)
+    except ValueError as e:
+        raise ExportRefused(f"cannot export the run in {workdir}: {e}") from None
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ExportRefused(f"--out={out} is a file; give a new or empty directory")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ExportRefused(f"--out={out} is a directory with files in it; give a new or empty directory")
     state, meta = evaluate.restore_state(cfg, workdir, step)
-    hf.save(cfg, train_step.weights(state), out)
-    tokenizer = cfg.rl.tokenizer
-    files = copy_tokenizer(tokenizer, out) if tokenizer and os.path.isdir(tokenizer) else []
+    with _staged(out) as staging:
+        hf.save(cfg, train_step.weights(state), staging)
+        tokenizer = cfg.rl.tokenizer
+        files = copy_tokenizer(tokenizer, staging) if tokenizer and os.path.isdir(tokenizer) else []
     return {"step": meta.get("step"), "tokenizer_files": files}
+
+
+@contextlib.contextmanager
+def _staged(out: str) -> Iterator[str]:
+    """A new directory beside `out` (same file system), renamed to `out` when the block succeeds (an empty
+    `out` is replaced); on an error it is removed, with the parent directories made for it."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    made = []  # missing ancestors, deepest first
+    d = parent
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(out)}.partial-{uuid.uuid4().hex[:8]}")
+    os.mkdir(staging)
+    try:
+        yield staging
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints: logit and greedy-decoding parity with `transformers` for every supported
-architecture, bit-exact save round trips, sharded loading, and errors that name the tensor.
+architecture, bit-exact save round trips, sharded loading, and errors that name the tensor. Our models with
+shared experts export as Qwen2-MoE (its shared-expert gate stored as zeros, the shared down_proj doubled).
 
 Tiny random models are built with `transformers` (torch, CPU) and saved with `save_pretrained`; only
 this file imports torch (the `parity` extra that `make test` installs).
@@ -18,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 import model
 from configs import tiny
-from model import hf, sharding
+from model import hf, hf_config, sharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,14 +63,43 @@ ARCHS = {
         ),
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # A dense first layer (mlp_only_layers), a shared expert wider than a routed one, unnormalised top-k.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        ),
+    ),
 }
+
+
+def _zero_gates_random_biases(net) -> None:
+    """Qwen2-MoE as our model can hold it: shared-expert gates of zero (sigmoid 1/2 on the shared expert; a
+    trained gate is refused), and random q/k/v biases (HF starts them at zero), so that they are tested."""
+    with torch.no_grad():
+        for layer in net.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.copy_(0.2 * torch.randn(proj.bias.shape))
+            if hasattr(layer.mlp, "shared_expert_gate"):
+                layer.mlp.shared_expert_gate.weight.zero_()
+
+
+PREPARE = {"qwen2_moe": _zero_gates_random_biases}
 
 
 def _make_hf(name: str, path, dtype=torch.float32):
     config_cls, model_cls, extra = ARCHS[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**COMMON, **extra})
-    net = getattr(transformers, model_cls)(config).to(dtype).eval()
+    net = getattr(transformers, model_cls)(config)
+    PREPARE.get(name, lambda net: None)(net)
+    net = net.to(dtype).eval()
     net.save_pretrained(path)
     return net
 
@@ -134,7 +164,7 @@ def test_logits_and_greedy_decoding_match_transformers(checkpoints, name):
     np.testing.assert_array_equal(_greedy(m, prompt, 20), want_ids)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "llama3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama3", "qwen2_moe"])
 def test_save_round_trip_is_bit_exact(checkpoints, tmp_path, name):
     path, _ = checkpoints[name]
     cfg, params = hf.load(path)
@@ -192,6 +222,64 @@ def test_our_model_exports_to_transformers(tmp_path):
     np.testing.assert_allclose(np.asarray(m(jnp.asarray(toks))[0]), want, atol=LOGIT_ATOL, rtol=0)
 
 
+def test_our_shared_expert_model_exports_as_qwen2_moe(tmp_path):
+    """configs/tiny.py's MoE (its shared expert) without qk_norm, which Qwen2-MoE lacks, with two shared
+    experts (one SwiGLU of twice the width in the file) and a dense first layer: transformers' logits are
+    ours, the file holds zero gates (sigmoid 1/2) beside a doubled shared down_proj and zero q/k/v biases, and
+    our loader gives back every parameter bit for bit (the biases as zeros: Qwen2-MoE always has them)."""
+    cfg = tiny.get_config()
+    m = cfg.model
+    m.qk_norm, m.moe.num_shared_experts, m.moe.first_dense_layers = False, 2, 1
+    net = model.build(cfg, seed=3)
+    _, params, _ = nnx.split(net, nnx.Param, ...)
+    hf.save(cfg, params, tmp_path / "out")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(ref).__name__ == "Qwen2MoeForCausalLM"
+    toks = np.random.RandomState(1).randint(0, m.vocab_size, (2, 10))
+    with torch.no_grad():
+        want = ref(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(net(jnp.asarray(toks))[0]), want, atol=LOGIT_ATOL, rtol=0)
+
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    ours = nnx.to_pure_dict(params)
+    shared = ours["moe_layers"]["blocks"]["mlp"]["shared"]  # [L, ...] (scanned), the MoE layer is HF layer 1
+    mlp = "model.layers.1.mlp."
+    assert tensors[mlp + "shared_expert.down_proj.weight"].shape == (m.d_model, 2 * m.moe.shared_d_ff)
+    np.testing.assert_array_equal(tensors[mlp + "shared_expert.down_proj.weight"], 2 * shared["down"][0].T)
+    np.testing.assert_array_equal(tensors[mlp + "shared_expert.up_proj.weight"], shared["up"][0].T)
+    np.testing.assert_array_equal(tensors[mlp + "shared_expert_gate.weight"], np.zeros((1, m.d_model)))
+    assert not any(k.startswith("model.layers.0.mlp.shared") for k in tensors)  # the dense layer
+    for layer in range(m.num_layers):
+        for x in "qkv":
+            assert not tensors[f"model.layers.{layer}.self_attn.{x}_proj.bias"].any()
+
+    cfg2, params2 = hf.load(tmp_path / "out")
+    assert cfg2.model.attention_bias and (cfg2.model.moe.num_shared_experts, cfg2.model.moe.shared_d_ff) == (
+        1,
+        128,
+    )
+    before, after = dict(nnx.to_flat_state(params)), dict(nnx.to_flat_state(params2))
+    for path, var in before.items():
+        assert np.asarray(after[path][...]).tobytes() == np.asarray(var[...]).tobytes(), path
+    extra = set(after) - set(before)
+    assert {p[-1] for p in extra} == {"q_bias", "k_bias", "v_bias"}
+    assert not any(np.asarray(after[p][...]).any() for p in extra)
+    hf.save(cfg2, params2, tmp_path / "again")
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert sorted(again) == sorted(tensors)
+    assert all(again[k].tobytes() == v.tobytes() for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("arg", ["tiny", "small"])
+def test_stock_models_name_the_ways_out_of_an_export(arg):
+    """Every stock model has qk_norm and a shared expert, which no supported format holds together."""
+    from configs import small
+
+    cfg = (tiny if arg == "tiny" else small).get_config()
+    with pytest.raises(ValueError, match="model.qk_norm=False.*Qwen2MoeForCausalLM.*num_shared_experts=0"):
+        hf_config.to_hf(cfg)
+
+
 def test_load_places_each_parameter_with_its_sharding(checkpoints):
     path, ref = checkpoints["qwen3_moe"]
     shape = {"data": 2, "expert": 2, "tensor": 2}
@@ -228,8 +316,8 @@ def test_errors_name_the_architecture_or_the_tensor(checkpoints, tmp_path):
     path, _ = checkpoints["qwen3_moe"]
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
 
-    bad = _copy(path, tmp_path, edit_config=lambda c: c.update(architectures=["Qwen2MoeForCausalLM"]))
-    with pytest.raises(ValueError, match="Qwen2MoeForCausalLM is not supported .*gated shared experts"):
+    bad = _copy(path, tmp_path, edit_config=lambda c: c.update(architectures=["DeepseekV2ForCausalLM"]))
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM is not supported .*DeepSeek-V2 routing"):
         hf.load(bad)
 
     cases = [
@@ -246,3 +334,18 @@ def test_errors_name_the_architecture_or_the_tensor(checkpoints, tmp_path):
         sub.mkdir()
         with pytest.raises(ValueError, match=pattern):
             hf.load(_copy(path, sub, edit_tensors=edit))
+
+
+def test_a_trained_shared_expert_gate_is_refused(checkpoints, tmp_path):
+    """Our model has no gate on its shared expert: a Qwen2-MoE checkpoint loads only when the gates are zero
+    (refused by read_config too, which rl.init_from's checks use), and one must be there."""
+    path, _ = checkpoints["qwen2_moe"]
+    gate = "model.layers.1.mlp.shared_expert_gate.weight"
+    (tmp_path / "trained").mkdir()
+    (tmp_path / "no_gate").mkdir()
+    trained = _copy(path, tmp_path / "trained", edit_tensors=lambda t: t.update({gate: t[gate] + 0.01}))
+    for read in (hf.load, hf.read_config):
+        with pytest.raises(ValueError, match=f"{gate} is not zero: our model has no gated shared expert"):
+            read(trained)
+    with pytest.raises(ValueError, match=f"missing {gate}"):
+        hf.load(_copy(path, tmp_path / "no_gate", edit_tensors=lambda t: t.pop(gate)))

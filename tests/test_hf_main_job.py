@@ -9,12 +9,17 @@ of the exported directory are our model's of the final state. The run's model is
 the runtime fields (an unscanned layout gives transformers' logits too). The rollout drafts with the
 checkpoint's MTP module (rl.engine.draft="mtp"), the main-job test of that drafter in the default run.
 Bad rl.init_from / rl.sft.mtp_weight values are refused before any work.
+
+A run of our own model exports too: `configs/grpo.py:test` without qk_norm as Qwen2-MoE (its shared expert);
+the stock model (qk_norm and a shared expert, which no supported format holds together) is refused before
+the checkpoint is read, and an export never leaves a folder behind.
 """
 
 import json
 import os
 import re
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +28,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from configs import grpo
+from configs.errors import UserError
 from configs.schema import ConfigError
 
 torch = pytest.importorskip("torch")
@@ -334,3 +340,73 @@ def test_bad_init_from_and_mtp_weight_are_refused_before_any_work(tmp_path):
         assert time.perf_counter() - start < 5.0
         assert sorted(os.listdir(workdir)) == ["metrics.jsonl"]
         assert (workdir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
+    """configs/grpo.py:test without qk_norm, shortened to one SFT step and no GRPO step (checkpoint 0 holds
+    the SFT-trained weights; a GRPO step would add its compile and nothing to the format): rl.export writes
+    Qwen2MoeForCausalLM, transformers' logits of it are the checkpoint's and model.hf.load gives back its
+    params bit for bit; an --out with files in it is refused before the checkpoint is read, and a failed
+    export leaves nothing behind."""
+    from flax import nnx
+
+    from model import hf, hf_config
+    from rl import evaluate, export, train, train_step
+
+    cfg = grpo.get_config("test")
+    cfg.model.qk_norm = False  # Qwen2-MoE has no qk norm; the stock model is refused (test below)
+    cfg.rl.sft.steps, cfg.rl.steps = 1, 0
+    workdir, out = tmp_path / "run", tmp_path / "exported"
+    train.train(cfg, str(workdir), run_eval=False)
+    assert export.export(str(workdir), str(out))["step"] == 0
+    assert sorted(os.listdir(tmp_path)) == ["exported", "run"]  # no staging directory left beside it
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
+
+    run_cfg = evaluate.load_run_config(str(workdir))
+    state, _ = evaluate.restore_state(run_cfg, str(workdir))
+    model_def, _ = train_step.init_state(run_cfg, seed=run_cfg.rl.seed)
+    toks = np.random.RandomState(1).randint(0, run_cfg.model.vocab_size, (2, 12))
+    with torch.no_grad():
+        want = _hf_model(out)(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
+    _, params = hf.load(out, overrides=hf_config.runtime_fields(run_cfg.model))  # the run's layer layout
+    loaded = dict(nnx.to_flat_state(params))
+    for path, var in nnx.to_flat_state(state.params):
+        assert np.asarray(loaded[path][...]).tobytes() == np.asarray(var[...]).tobytes(), path
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(evaluate, "restore_state", refuse)
+    with pytest.raises(ValueError, match=re.escape(f"--out={out} is a directory with files in it")):
+        export.export(str(workdir), str(out))
+    monkeypatch.undo()
+
+    def fail(cfg, params, directory):
+        (Path(directory) / "model.safetensors").write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(hf, "save", fail)
+    with pytest.raises(OSError, match="No space left"):
+        export.export(str(workdir), str(tmp_path / "new" / "deeper" / "exported"))
+    assert sorted(os.listdir(tmp_path)) == ["exported", "run"]  # neither the directories made nor a half
+
+
+def test_export_refuses_the_stock_model_before_reading_the_checkpoint(tmp_path, monkeypatch):
+    """The run's model is checked first: one line naming the ways out, no checkpoint read, no folder made."""
+    from rl import evaluate, export
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(grpo.get_config("test").to_json_best_effort())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(evaluate, "restore_state", refuse)
+    ways_out = "cannot export the run in .*: no Hugging Face format .*--config.model.qk_norm=False"
+    with pytest.raises(ValueError, match=ways_out + ".*--config.model.moe.num_shared_experts=0") as refused:
+        export.export(str(workdir), str(tmp_path / "exported" / "tiny"))
+    assert isinstance(refused.value, UserError)  # the CLI prints it as one line
+    assert "\n" not in str(refused.value)
+    assert sorted(os.listdir(tmp_path)) == ["run"]
