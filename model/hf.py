@@ -9,7 +9,7 @@ Our parameters stack layers ([L, ...] when `scan_layers`) and experts ([E, ...])
 per layer and expert, linear weights as [out, in]. `_TABLE` maps each of our parameter paths to its HF
 name and layout; `hf_config` maps the configs; `hf_files` reads and writes the safetensors files.
 Supported architectures: `hf_config.ARCHITECTURES`. What config.json declares and only the tensors tell
-(Qwen2-MoE's shared-expert gates) is `read_config`'s.
+(MTP modules a checkpoint lacks, Qwen2-MoE's shared-expert gates) is `read_config`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import functools
 import json
+import logging
 import math
 import pathlib
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,8 @@ from model import config as config_lib
 from model import hf_config, hf_files, sharding
 from model.moe import ExpertBias
 from model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 # Buffers some checkpoints carry that are not parameters (recomputed from the config).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -373,13 +376,29 @@ def _open(directory: pathlib.Path, hf: dict) -> hf_files.Checkpoint:
 
 
 def _match_tensors(cfg: ml_collections.ConfigDict, directory: pathlib.Path) -> None:
-    """What config.json declares but the tensors decide: Qwen2-MoE's shared-expert gates must be zero."""
+    """What config.json declares but the tensors decide. MTP modules it counts and the files lack (as in a
+    DeepSeek-V3 written by transformers' `save_pretrained`, which drops them) are not loaded: model.mtp_layers
+    counts the stored ones (a warning says so). Qwen2-MoE's shared-expert gates must be zero."""
     m, names = cfg.model, _names(cfg.hf.architecture)
-    if not names["shared_gate"]:
+    if not m.mtp_layers and not names["shared_gate"]:
         return
     ckpt = _open(directory, cfg.hf.config.to_dict())
     try:
-        for i in _moe_layer_ids(m):
+        layers = {n.split(".")[2] for n in ckpt.weight_map if n.startswith("model.layers.")}
+        stored = 0
+        while stored < m.mtp_layers and str(m.num_layers + stored) in layers:
+            stored += 1
+        if stored < m.mtp_layers:
+            log.warning(
+                "%s: config.json declares %d multi-token-prediction module(s) (num_nextn_predict_layers) but "
+                "the safetensors hold %d; loading model.mtp_layers=%d",
+                directory,
+                m.mtp_layers,
+                stored,
+                stored,
+            )
+            m.mtp_layers = stored
+        for i in _moe_layer_ids(m) if names["shared_gate"] else ():
             name = _SHARED_GATE.format(layer=i, **names)
             if name not in ckpt.weight_map:
                 raise ValueError(f"checkpoint is missing {name}")

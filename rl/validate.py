@@ -137,8 +137,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         rl.sft.mtp_weight == 0 or cfg.model.mtp_layers > 0,
         "sft.mtp_weight",
         rl.sft.mtp_weight,
-        "needs multi-token-prediction modules (model.mtp_layers > 0; with rl.init_from, the checkpoint's "
-        f"num_nextn_predict_layers); the model has {cfg.model.mtp_layers}",
+        f"needs multi-token-prediction modules, and the checkpoint rl.init_from={rl.init_from!r} has no MTP "
+        "tensors (whatever its config.json's num_nextn_predict_layers says); set rl.sft.mtp_weight=0"
+        if rl.init_from
+        else "needs multi-token-prediction modules (model.mtp_layers > 0); the model has "
+        f"{cfg.model.mtp_layers}",
     )
     _check(
         not rl.gradient_projection or len(rl.domains) >= 2,
@@ -304,7 +307,10 @@ def _check_engine(cfg) -> None:
         e.draft != "mtp" or cfg.model.mtp_layers >= 1,
         "engine.draft",
         e.draft,
-        "needs multi-token-prediction modules: set model.mtp_layers >= 1 (or pick another drafter)",
+        f"needs multi-token-prediction modules, and the checkpoint rl.init_from={rl.init_from!r} has no MTP "
+        "tensors (whatever its config.json's num_nextn_predict_layers says); pick another drafter"
+        if rl.init_from
+        else "needs multi-token-prediction modules: set model.mtp_layers >= 1 (or pick another drafter)",
     )
     if e.draft == "model":
         from model import config as model_config

@@ -3,11 +3,14 @@ left-padded batch) and 20 greedy tokens through our KV cache (MLA's absorbed for
 and without the query low-rank path, one and several expert groups, one and several dense first layers,
 YaRN with DeepSeek's softmax-scale correction; the same greedy tokens from `inference.Engine`, which carries
 the routers' selection bias beside the parameters (also through `update_params`); bit-exact save round
-trips; FP8 block-quantized weights dequantized on load against a hand-computed block.
+trips; FP8 block-quantized weights dequantized on load against a hand-computed block; a checkpoint whose
+config.json counts an MTP module its files lack (as transformers writes one) loads without MTP modules.
 """
 
 import copy
 import json
+import logging
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -206,6 +209,43 @@ def test_engine_carries_the_selection_bias(checkpoints, tmp_path):
     assert second != first  # the bias changes the routing enough to change the greedy text
     assert second == _hf_greedy_choices(other, prompt, second)
     assert engine.stats()["compiles_after_warmup"] == 0
+
+
+def test_checkpoint_without_mtp_tensors_loads_without_mtp_modules(tmp_path, caplog):
+    """transformers' `save_pretrained` writes num_nextn_predict_layers=1 (its default) but no MTP layer, as
+    most DeepSeek-V3 / Kimi K2 fine-tunes are stored: the model loads without MTP modules (one warning says
+    so) and computes transformers' logits, and the main job refuses at start what needs MTP modules."""
+    from configs import grpo
+    from configs.schema import ConfigError
+    from rl import validate
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{**BASE, **GEOMETRIES["qlora_groups"], "num_mtp_layers": 1})
+    net = transformers.DeepseekV3ForCausalLM(config).eval()
+    net.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    layers = config.num_hidden_layers
+    assert not any(
+        k.startswith(f"model.layers.{layers}.") for k in load_file(str(tmp_path / "model.safetensors"))
+    )
+
+    with caplog.at_level(logging.WARNING, logger="model.hf"):
+        cfg, m = hf.load_model(tmp_path)
+    assert cfg.model.mtp_layers == 0 and cfg.model.num_layers == layers and not hasattr(m, "mtp")
+    said = [r.getMessage() for r in caplog.records if "num_nextn_predict_layers" in r.getMessage()]
+    assert len(said) == 1 and "hold 0; loading model.mtp_layers=0" in said[0], said
+    toks = np.random.RandomState(0).randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        want = net(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(m(jnp.asarray(toks))[0]), want, atol=LOGIT_ATOL, rtol=0)
+
+    for field, value in (("sft.mtp_weight", 0.5), ("engine.draft", "mtp")):
+        run = grpo.get_config("test")
+        run.rl.init_from = str(tmp_path)
+        parent, leaf = field.split(".")
+        run.rl[parent][leaf] = value
+        with pytest.raises(ConfigError, match=re.escape(f"rl.{field}={value!r}") + ".* has no MTP tensors"):
+            validate.validate(run)
 
 
 @pytest.mark.parametrize("name", ["qlora_groups", "no_qlora"])
