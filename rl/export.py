@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from configs.errors import UserError
+from configs.errors import UserError, require
 
 # What `model.tokenizer.HFTokenizer.from_dir` reads (generation_config.json: extra stop ids), and the slow
 # tokenizer files transformers reads when tokenizer.json is absent.
@@ -69,6 +69,7 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     `<workdir>/config.json`). Raises `ExportRefused` (a ValueError), before reading the checkpoint, when no
     supported format holds the model or `out` is a file or a non-empty directory. The files are written into
     a new directory beside `out` and renamed to it at the end; on any error nothing is left."""
+    require("safetensors", "python -m rl.export (Hugging Face checkpoints)")
     from model import hf, hf_config
     from rl import evaluate, train_step
 

@@ -639,7 +639,7 @@ def test_load_hf_directory(tmp_path):
 
     from model import hf
 
-    cfg = tiny.get_config("dense")  # (a shared expert has no HF format but DeepSeek-V3's)
+    cfg = tiny.get_config("dense")  # (tiny MoE has qk_norm and a shared expert: no HF format holds both)
     m = model.build(cfg, seed=3)
     hf.save(cfg, nnx.state(m, nnx.Param), tmp_path / "ckpt")
     loaded = serve.load_hf(str(tmp_path / "ckpt"), tokenizer="byte")
