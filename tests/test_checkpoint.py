@@ -141,8 +141,9 @@ def _assert_bit_identical(got, want):
 
 # The driver's kill tests run with the slow tests (with their uninterrupted reference run, three driver
 # processes in all, ~45 s of CI time, estimated). CI covers both signals through the main job itself:
-# test_train's kill -9 test (real processes, a bit-identical resume) and test_train_options' SIGTERM test
-# (SIGTERM during the SFT warm start: saved at that step, exit 0, the next start continues from it). Only
+# test_train's kill -9 test (real processes, a bit-identical resume) and test_train_options' signal test
+# (SIGTERM in the SFT warm start and Ctrl-C in the GRPO loop: saved at that step, exit 143 / 130, the next
+# start continues from it). Only
 # here: a resume from a SIGTERM save ends bit-identical to the uninterrupted run.
 @pytest.mark.slow
 def test_sigkill_then_resume_is_exact(tmp_path, reference):
