@@ -45,3 +45,21 @@ def test_main_job_trains_on_import_path_domains(tmp_path, monkeypatch):
     assert set(actions) == {1, 2} and actions.count(1) == actions.count(2) >= 2 * cfg.rl.group_size
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["rl"]["domains"] == [ADD, GUESS]  # what rl.evaluate reads back and resolves again
+
+
+def test_quality_gate_gets_the_domains_env_options(tmp_path, monkeypatch):
+    """rl.env.<domain>.<kwarg> reaches the quality gate as it reaches the workers: a domain whose constructor
+    needs its option passes the gate (before, the gate made every domain with default arguments and refused
+    this one, and `rl.env.code.min_isolation` was refused by the gate whose error advised setting it)."""
+    from envs import registry
+    from rl import train
+
+    monkeypatch.setitem(registry._DOMAINS, "answer", "answer_env:Answer")  # tests/answer_env.py
+    cfg = grpo.get_config("test")
+    cfg.rl.domains = ("answer",)
+    cfg.rl.env.answer = {"answer": "ok"}
+    cfg.rl.quality_gate = True
+    cfg.rl.sft.steps = cfg.rl.steps = 0  # the gate and the pool run; no model step is needed to tell
+    out = train.train(cfg, str(tmp_path), run_eval=False)
+    assert out["steps"] == 0
+    assert json.loads((tmp_path / "config.json").read_text())["rl"]["env"]["answer"] == {"answer": "ok"}
