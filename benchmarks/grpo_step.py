@@ -235,7 +235,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
             compiles_after_first = _COMPILES["n"]
         t0 = time.perf_counter()
         with phases.phase("rollout"):  # generate and reward inside; the rest is rollout bookkeeping
-            samples, counts, _ = rollout.collect(
+            samples, counts, _, _ = rollout.collect(
                 timed_engine,
                 scorer,
                 next_tasks,
