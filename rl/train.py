@@ -207,7 +207,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
         rows_here = cfg.batch_size // processes
         if steps_left:
-            say("compiling the engine and the GRPO update (the persistent cache makes restarts faster)")
+            say("compiling the engine and the GRPO update")
             t0 = time.perf_counter()
             _warm_up(cfg, engine, update, mesh, state, ref_params, rows_here)
             say(f"compiled in {time.perf_counter() - t0:.1f} s")
