@@ -137,6 +137,10 @@ def test_carried_draft_is_the_full_forwards_mtp_prediction(toy, forward):
     assert eng.stats()["accepted_tokens"] > 0
 
 
+# Slow (40 s of the suite): exactness is the shared `inference.speculative.verify` (test_engine's chi-square
+# over a model drafter) given the draft law q, and the MTP drafter's q is checked against the MTP module's
+# log-probs token by token in test_greedy_equals_plain_and_the_learned_chain_is_accepted.
+@pytest.mark.slow
 def test_sampling_matches_the_exact_distribution(toy, forward):
     """Chi-square over the first two tokens at temperature 1.5, top-k 4: token 1 comes from the target (no
     draft yet), token 2 is the verified MTP draft or its correction. The trained MTP head is nearly exact
