@@ -1,4 +1,4 @@
-"""python -m rl.sft --config=configs/grpo.py:tiny --workdir=runs/tiny
+"""python -m rl.sft --config=configs/grpo.py:test --workdir=runs/test
 
 Supervised warm start on reference solutions: each example is the task's prompt (as the sampler sees it,
 `rl.rollout.format_prompt`) followed by `Environment.reference_solution(task)` and the end-of-sequence

@@ -1,4 +1,4 @@
-"""python -m rl.train --config=configs/grpo.py:tiny --workdir=runs/tiny
+"""python -m rl.train --config=configs/grpo.py:test --workdir=runs/test
 
 The main job: GRPO post-training over task domains, one step as the README's "GRPO post-training" says.
 `train(cfg, workdir)` reads top to bottom in the order a run happens:
@@ -49,7 +49,7 @@ from configs.errors import UserError
 
 if __name__ == "__main__":  # before --config: with no --config its default is read (and overridden) here
     cli.take_block_overrides(sys.argv)  # --config.rl.levels.math=... (configs/cli.py)
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py:tiny", "GRPO config file.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py:test", "GRPO config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, eval).")
 _SFT_ONLY = flags.DEFINE_boolean("sft_only", False, "Run the SFT warm start, save it, and stop.")
 _EVAL = flags.DEFINE_boolean("eval", True, "Evaluate held-out tasks before and after training.")
