@@ -3,11 +3,12 @@
 GRPO post-training of the `tiny` (tests, CPU) or `small` (Colab) MoE model: `configs/grpo.py:small`, and the
 variants `test` (learns in a minute on a CPU) and `demo` (`make demo`), both of the tiny model. `:tiny` alone
 is a shape check: its warm start is too short for the tiny model to answer `math`, so its groups carry no
-reward signal and the run stops after rl.max_skipped_steps steps, saying so. The model and mesh blocks
-come from `configs/tiny.py` / `configs/small.py`, which get the arguments after the first, comma-separated (`configs/grpo.py:test,deepseek`
-is the test variant on tiny's DeepSeek-V3-like model); with `rl.init_from` the model is a Hugging Face
-checkpoint's instead. Everything the main job adds lives under `cfg.rl`, built from the table `RL` (each
-field's default, meaning and allowed values; `python -m configs.schema` prints it, and the README's field
+reward signal and the run stops after rl.max_skipped_steps steps, saying so. The model and mesh blocks come
+from `configs/tiny.py` / `configs/small.py`, which get the arguments after the first, comma-separated
+(`configs/grpo.py:test,deepseek` is the test variant on tiny's DeepSeek-V3-like model); with `rl.init_from`
+the model is a Hugging Face checkpoint's instead. Everything the main job adds lives under `cfg.rl`, built
+from the table `RL` (each field's default, meaning and allowed values; `python -m configs.schema` prints it,
+and the README's field
 list is that output):
 
   rl.loss       the GRPO objective (`rl.grpo.LOSS`, read by `rl.grpo.loss_from_config`)
