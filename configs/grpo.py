@@ -8,8 +8,7 @@ from `configs/tiny.py` / `configs/small.py`, which get the arguments after the f
 (`configs/grpo.py:test,deepseek` is the test variant on tiny's DeepSeek-V3-like model); with `rl.init_from`
 the model is a Hugging Face checkpoint's instead. Everything the main job adds lives under `cfg.rl`, built
 from the table `RL` (each field's default, meaning and allowed values; `python -m configs.schema` prints it,
-and the README's field
-list is that output):
+and the README's field list is that output):
 
   rl.loss       the GRPO objective (`rl.grpo.LOSS`, read by `rl.grpo.loss_from_config`)
   rl.optim      AdamW + warmup/cosine schedule + clipping (`rl.train_step.OPTIM`)
