@@ -61,6 +61,8 @@ class Preempted(Exception):
 
 def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -> dict[str, Any]:
     """Runs (or resumes) the job; returns {"before", "after", "steps", "engine"} (+ "preempted")."""
+    import jax
+
     import envs
     from envs import qa
     from model.tokenizer import load_tokenizer
@@ -116,6 +118,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         pool = envs.EnvPool(
             rl.env_workers, domains={d: env_kwargs.get(d, {}) for d in domains}, timeout_s=rl.env_timeout_s
         )
+        say(f"environments: {rl.env_workers} worker process(es) for {', '.join(domains)}")
         # The train split (rl.data.holdout / selection say which prompts are not in it), rl.levels, rl.env.
         streams = data.TaskMixer(
             {d: data.domain_stream(cfg, d, "train", env_kwargs.get(d, {})) for d in domains}
@@ -132,6 +135,10 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
         pretrained = _pretrained(cfg) if meta is None and rl.init_from else {}  # resumed: its own state
         model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed, **pretrained)
+        say(
+            f"model: {sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.2f}M parameters on "
+            f"{mesh.size} device(s), mesh {dict(mesh.shape)}"
+        )
         draft_def, draft_state = (
             (None, None) if draft_cfg is None else _sft_state(draft_cfg, rl.seed, mesh=mesh)
         )
@@ -497,12 +504,15 @@ class _NoUpdates:
                 "samples.jsonl and log.txt, and python -m envs.qa --domain=<domain>"
             )
         elif c("dropped_zero_variance_groups"):
-            fix = (
-                "the policy never solves the tasks: warm-start it (rl.sft.steps), pick easier rl.levels or "
-                "raise rl.max_new_tokens"
-                if reward <= 0
-                else "every sample of a prompt gets the same reward: raise rl.temperature or rl.group_size"
-            )
+            if reward <= 0:
+                fix = (
+                    "the policy never solves the tasks: warm-start it (rl.sft.steps), pick easier rl.levels "
+                    "or raise rl.max_new_tokens"
+                )
+            elif reward >= 1:
+                fix = "the policy solves every task: pick harder rl.levels or other rl.domains"
+            else:
+                fix = "every sample of a prompt gets the same reward: raise rl.temperature or rl.group_size"
             cause = (
                 f"no reward variance: {c('dropped_zero_variance_groups')} groups had equal rewards "
                 f"(mean reward {reward:.3f}); {fix}"

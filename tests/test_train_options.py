@@ -365,3 +365,46 @@ def test_rl_evaluate_reproduces_the_runs_eval_after(tmp_path):
     # The same samples: statuses and generated lengths agree, not only the (here small) pass rates.
     for key in ("tasks", "samples", "pass@1", "pass@k", "reward", "status", "generated_tokens_per_task"):
         assert report["results"]["arith"][key] == after["arith"][key], key
+
+
+@pytest.mark.parametrize(
+    "counts, reward, cause",
+    [
+        (
+            {"dropped_zero_variance_groups": 4},
+            0.0,
+            "no reward variance: 8 groups had equal rewards (mean "
+            "reward 0.000); the policy never solves the tasks",
+        ),
+        ({"dropped_zero_variance_groups": 4}, 1.0, "(mean reward 1.000); the policy solves every task"),
+        (
+            {"dropped_zero_variance_groups": 4},
+            0.5,
+            "(mean reward 0.500); every sample of a prompt gets the same",
+        ),
+        (
+            {"excluded_crash": 5, "excluded_timeout": 1},
+            0.0,
+            "the environment failed on 12 of 16 samples ({'crash': 10, 'timeout': 2})",
+        ),
+        ({"dropped_small_groups": 2}, 0.0, "groups left with fewer than 2 scored samples: 4"),
+    ],
+)
+def test_no_update_report_names_the_cause(counts, reward, cause):
+    """Two skipped steps, each with these filter counts out of 8 samples: the causes, by hand."""
+    from rl import pipeline, train
+
+    idle = train._NoUpdates(2)
+    metrics = {"rollout/samples_in": 8.0, "reward": reward} | {
+        f"rollout/{k}": float(v) for k, v in counts.items()
+    }
+    for _ in range(2):
+        assert not idle.stuck
+        idle.observe(pipeline.RolloutBatch(None, 0, dict(metrics)))
+    assert idle.stuck
+    report = idle.report(7)
+    assert report.startswith("no update in 2 steps in a row (rl.max_skipped_steps=2") and cause in report, (
+        report
+    )
+    idle.observe(pipeline.RolloutBatch({"tokens_BT": None}, 0, {}))  # an update resets the count
+    assert not idle.stuck and idle.steps == 0
