@@ -108,8 +108,8 @@ class MetricsLogger:
     """Appends metrics to `workdir/metrics.jsonl` (flushed per line), TensorBoard and a progress line.
 
     `tensorboard`: event files go to `workdir/tensorboard` when a writer (tensorboardX) is importable,
-    unless False; True also says on stderr when none is installed. The progress line goes to `stream`:
-    rewritten in place (`\\r`) on a terminal, else one line every `print_every` steps (and at the last step).
+    unless False; True also says on stderr when none is installed. The progress line goes to `stream`
+    (default: the current sys.stderr; None: nowhere): rewritten in place (`\\r`) on a terminal, else one line every `print_every` steps (and at the last step).
     """
 
     def __init__(
@@ -118,12 +118,15 @@ class MetricsLogger:
         *,
         tensorboard: bool | None = None,
         total_steps: int | None = None,
-        stream: TextIO | None = sys.stderr,
+        stream: TextIO | None | str = "stderr",
         print_every: int = 10,
     ):
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / METRICS_FILE
+        # "stderr": sys.stderr when the logger is made (a default bound at import would keep whatever stream
+        # sys.stderr was then, e.g. one a test harness has closed since).
+        stream = sys.stderr if stream == "stderr" else stream
         self.total_steps, self.stream, self.print_every = total_steps, stream, max(1, print_every)
         self.nonfinite: Counter[str] = Counter()  # key -> NaN/inf values written as null
         drop_torn_tail(self.path)  # a run killed mid-write: its restart appends after the last whole record

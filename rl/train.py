@@ -30,7 +30,6 @@ A run killed with `kill -9` resumes from its last checkpoint (bit-identical in s
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -66,7 +65,18 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     import envs
     from envs import qa
     from model.tokenizer import load_tokenizer
-    from rl import checkpoint, curriculum, data, distributed, metrics, pipeline, rollout, train_step, validate
+    from rl import (
+        checkpoint,
+        curriculum,
+        data,
+        distributed,
+        metrics,
+        pipeline,
+        rollout,
+        run_log,
+        train_step,
+        validate,
+    )
 
     # ---- Config, workdir, console -----------------------------------------------------------------------
     validate.validate(cfg)
@@ -82,7 +92,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     mesh = distributed.trainer_mesh(cfg)
     validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
     primary = distributed.is_primary()  # process 0 alone writes metrics, samples, evaluations, the table
-    say = _say if primary else lambda message: None
+    say = run_log.say if primary else lambda message: None
     # The checkpoints' model config is checked before anything is written: a refused run changes nothing.
     ckpt = checkpoint.Checkpointer(
         os.path.join(os.path.abspath(workdir), "checkpoints"),
@@ -97,8 +107,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         ckpt.close()
         raise
     if primary:
-        _write_config(workdir, cfg)
-    say(f"run {workdir}: " + ("new" if meta is None else _resume_note(meta, rl)))
+        run_log.write_config(workdir, cfg)
+    say(f"run {workdir}: " + ("new" if meta is None else run_log.resume_note(meta, rl)))
     for note in validate.notes(cfg):
         say(f"note: {note}")
     env_kwargs = data.env_kwargs(cfg)
@@ -178,7 +188,9 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     0, _pack(state, None, draft_state), source.state(0, 0, sft_step=sft_done), force=True
                 )
                 ckpt.wait()
-                return _stopped(say, workdir, handle, f"SFT step {sft_done} of {rl.sft.steps}", steps=0)
+                return run_log.stopped(
+                    say, workdir, handle, f"SFT step {sft_done} of {rl.sft.steps}", steps=0
+                )
             model_def, state = train_step.init_state(
                 cfg, mesh=mesh, seed=rl.seed, params=state.params, model_state=state.model_state
             )
@@ -264,7 +276,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 before = _read_json(workdir, "eval_before.json")
                 greedy_before = _read_json(workdir, "eval_before_greedy.json")
         except Preempted:
-            return _stopped(
+            return run_log.stopped(
                 say, workdir, handle, f"nothing new (checkpoint {start_step} holds the run)", steps=start_step
             )
 
@@ -318,7 +330,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             produce, asynchronous=rl.async_rollout, max_staleness=rl.max_staleness, max_queue=rl.max_queue
         )
         step, counts_before = start_step, _engine_counts(engine)
-        idle = _NoUpdates(rl.max_skipped_steps)
+        idle = run_log.NoUpdates(rl.max_skipped_steps)
         if steps_left:
             say(
                 f"GRPO: steps {start_step + 1}-{rl.steps}, metrics in "
@@ -331,7 +343,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                         pack = _pack(state, ref_params, draft_state)
                         ckpt.save(step, pack, source.state(step, engine.version), force=True)
                     ckpt.wait()
-                    return _stopped(
+                    return run_log.stopped(
                         say, workdir, handle, f"GRPO step {step}", steps=step, engine=engine.stats()
                     )
                 item, step_metrics = pipe.get(engine.version)
@@ -363,8 +375,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     counts_before = counts_now
                     logger.log(step, step_metrics)
                     if primary:
-                        _log_samples(workdir, step, item.samples, kept=True)
-                        _log_samples(workdir, step, item.dropped, kept=False)
+                        run_log.log_samples(workdir, step, item.samples, kept=True)
+                        run_log.log_samples(workdir, step, item.dropped, kept=False)
                 if ckpt.should_save(step) or idle.stuck:
                     ckpt.save(
                         step,
@@ -374,7 +386,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     )
                 if idle.stuck:  # nothing to learn from: say why instead of running on
                     ckpt.wait()
-                    raise NoLearningSignal(idle.report(step))
+                    raise run_log.NoLearningSignal(idle.report(step))
         finally:
             pipe.close()
 
@@ -390,7 +402,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 after = evaluate("after", step)
                 greedy_after = evaluate("after", step, greedy=True) if rl.eval.greedy else None
         except Preempted:
-            return _stopped(
+            return run_log.stopped(
                 say,
                 workdir,
                 handle,
@@ -404,7 +416,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             print(
                 evaluate_lib.format_before_after(before or {}, after, greedy_before, greedy_after), flush=True
             )
-        say(_results_note(workdir, step, run_eval))
+        say(run_log.results_note(workdir, step, run_eval))
         return {
             "before": before,
             "after": after,
@@ -421,108 +433,6 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
 
 
 # ---- Parts of the run ------------------------------------------------------------------------------------
-
-
-class NoLearningSignal(UserError):
-    """rl.max_skipped_steps steps in a row updated nothing; the message gives the cause and the counts."""
-
-
-def _say(message: str) -> None:
-    """A phase line on the console (process 0): what the run does now, while it compiles and warms up."""
-    print(f"rl.train: {message}", file=sys.stderr, flush=True)
-    logging.getLogger("rl.train").info(message)
-
-
-def _write_config(workdir: str, cfg) -> None:
-    """`<workdir>/config.json`, atomically (a reader never sees half of it), for a new or compatible run."""
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "config.json")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2))
-    os.replace(tmp, path)
-
-
-def _resume_note(meta: dict, rl) -> str:
-    """What a restart resumes, from its checkpoint's meta."""
-    sft_done = meta.get("sft_step", rl.sft.steps)
-    if sft_done < rl.sft.steps:
-        return f"resumed the SFT warm start at step {sft_done} of {rl.sft.steps}"
-    return f"resumed from checkpoint {meta['step']} (GRPO step {meta['step']} of {rl.steps})"
-
-
-def _stopped(say, workdir: str, handle, where: str, **result) -> dict[str, Any]:
-    """The result of a run stopped by SIGINT / SIGTERM after saving `where`; says how to go on."""
-    name = signal.Signals(handle.signum).name if handle.signum else "a signal on another process"
-    say(
-        f"stopped by {name}: saved {where} in {os.path.join(workdir, 'checkpoints')}; the same command "
-        "resumes"
-    )
-    return {**result, "preempted": True, "signal": handle.signum}
-
-
-def _results_note(workdir: str, step: int, run_eval: bool) -> str:
-    files = ["metrics.jsonl", "samples.jsonl", "checkpoints/"] + (["eval_after.json"] if run_eval else [])
-    return (
-        f"done at step {step}: results in {workdir} ({', '.join(files)}); "
-        f"python -m rl.evaluate --workdir={workdir} scores it again, python -m rl.export exports it"
-    )
-
-
-class _NoUpdates:
-    """Counts the steps in a row that updated nothing (every group filtered out) and why: reward without
-    variance, samples the environment failed on (env_error / crash / timeout), groups left too small."""
-
-    def __init__(self, limit: int):
-        self.limit, self.steps, self.counts = limit, 0, {}
-        self.rewards: list[float] = []
-
-    def observe(self, item) -> None:
-        if item.batch is not None:
-            self.steps, self.counts, self.rewards = 0, {}, []
-            return
-        self.steps += 1
-        for key, value in item.metrics.items():
-            if key.startswith(("rollout/excluded_", "rollout/dropped_")) or key == "rollout/samples_in":
-                self.counts[key] = self.counts.get(key, 0.0) + value
-        if "reward" in item.metrics:
-            self.rewards.append(item.metrics["reward"])
-
-    @property
-    def stuck(self) -> bool:
-        return self.limit > 0 and self.steps >= self.limit
-
-    def report(self, step: int) -> str:
-        c = lambda key: int(self.counts.get(f"rollout/{key}", 0))  # noqa: E731
-        samples = c("samples_in")
-        excluded = {k[len("rollout/excluded_") :]: int(v) for k, v in self.counts.items() if "excluded_" in k}
-        failed = sum(excluded.values())
-        reward = float(np.mean(self.rewards)) if self.rewards else float("nan")
-        if failed and failed >= samples / 2:
-            cause = (
-                f"the environment failed on {failed} of {samples} samples ({excluded}); see "
-                "samples.jsonl and log.txt, and python -m envs.qa --domain=<domain>"
-            )
-        elif c("dropped_zero_variance_groups"):
-            if reward <= 0:
-                fix = (
-                    "the policy never solves the tasks: warm-start it (rl.sft.steps), pick easier rl.levels "
-                    "or raise rl.max_new_tokens"
-                )
-            elif reward >= 1:
-                fix = "the policy solves every task: pick harder rl.levels or other rl.domains"
-            else:
-                fix = "every sample of a prompt gets the same reward: raise rl.temperature or rl.group_size"
-            cause = (
-                f"no reward variance: {c('dropped_zero_variance_groups')} groups had equal rewards "
-                f"(mean reward {reward:.3f}); {fix}"
-            )
-        else:
-            cause = f"groups left with fewer than 2 scored samples: {c('dropped_small_groups')}"
-        return (
-            f"no update in {self.steps} steps in a row (rl.max_skipped_steps={self.limit}; 0 never stops): "
-            f"{cause}. Checkpoint {step} is saved; samples of the dropped groups are in samples.jsonl"
-        )
 
 
 class _Phase:
@@ -884,28 +794,6 @@ def _engine_metrics(before: dict[str, float], now: dict[str, float], host_tier: 
     if host_tier:
         out["engine/host_offloads"], out["engine/host_reloads"] = d["prefix_offloads"], d["prefix_reloads"]
     return out
-
-
-def _log_samples(workdir: str, step: int, samples, *, kept: bool) -> None:
-    """Episodes of a step into samples.jsonl; `kept`: whether the filters kept them for the update."""
-    if not samples:
-        return
-    with open(os.path.join(workdir, "samples.jsonl"), "a") as f:
-        for s in samples:
-            record = {
-                "step": step,
-                "kept": kept,
-                "domain": s.task.domain,
-                "task_id": s.task.id,
-                "group": s.group,
-                "advantage": s.advantage,
-                "prompt": s.task.prompt,
-                "text": s.text,
-                "reward": s.reward,
-                "status": s.status,
-                "metadata": s.task.metadata,
-            }
-            f.write(json.dumps(record, default=str) + "\n")
 
 
 def _split(n: int, weights: dict[str, float]) -> dict[str, int]:

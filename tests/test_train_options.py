@@ -261,11 +261,11 @@ def test_a_run_without_learning_signal_stops_and_a_refused_rerun_changes_nothing
     after rl.max_skipped_steps=2 steps without an update the run stops, saved, naming the cause and counts,
     with the dropped samples in samples.jsonl. A rerun with another model config is refused
     (ConfigMismatch) and leaves the run's config.json as it was."""
-    from rl import checkpoint, train
+    from rl import checkpoint, run_log, train
 
     cfg = _cfg(steps=5, checkpoint_every=5, max_skipped_steps=2)
     cfg.rl.sft.steps = 0
-    with pytest.raises(train.NoLearningSignal) as stop:
+    with pytest.raises(run_log.NoLearningSignal) as stop:
         train.train(cfg, str(tmp_path), run_eval=False)
     message = str(stop.value)
     assert message.startswith("no update in 2 steps in a row (rl.max_skipped_steps=2")
@@ -342,9 +342,9 @@ def test_signals_save_the_current_step_and_resume(tmp_path):
     assert stopped == meta["step"] == logged[-1] >= 3 and stopped % 50, (stopped, logged)
     assert f"stopped by SIGINT: saved GRPO step {stopped} in" in output
     # The next start restores that checkpoint (the resume itself: test_train's kill -9 test), and says so.
-    from rl import train
+    from rl import run_log
 
-    assert train._resume_note({"step": stopped}, grpo.get_config("test").rl) == (
+    assert run_log.resume_note({"step": stopped}, grpo.get_config("test").rl) == (
         f"resumed from checkpoint {stopped} (GRPO step {stopped} of 4)"
     )
 
@@ -392,9 +392,9 @@ def test_rl_evaluate_reproduces_the_runs_eval_after(tmp_path):
 )
 def test_no_update_report_names_the_cause(counts, reward, cause):
     """Two skipped steps, each with these filter counts out of 8 samples: the causes, by hand."""
-    from rl import pipeline, train
+    from rl import pipeline, run_log
 
-    idle = train._NoUpdates(2)
+    idle = run_log.NoUpdates(2)
     metrics = {"rollout/samples_in": 8.0, "reward": reward} | {
         f"rollout/{k}": float(v) for k, v in counts.items()
     }
