@@ -109,7 +109,8 @@ class MetricsLogger:
 
     `tensorboard`: event files go to `workdir/tensorboard` when a writer (tensorboardX) is importable,
     unless False; True also says on stderr when none is installed. The progress line goes to `stream`
-    (default: the current sys.stderr; None: nowhere): rewritten in place (`\\r`) on a terminal, else one line every `print_every` steps (and at the last step).
+    (default: the current sys.stderr; None: nowhere): rewritten in place (`\\r`) on a terminal, else one
+    line every `print_every` steps (and at the last step).
     """
 
     def __init__(
