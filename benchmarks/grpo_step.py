@@ -241,15 +241,11 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
                 next_tasks,
                 tokenizer,
                 groups=rl.prompts_per_step,
-                n=rl.group_size,
                 sampling=rollout.sampling_params(
                     rl, tokenizer, seed=rollout.derive_seed(rl.seed, "batch", i), n=rl.group_size
                 ),
-                max_attempts=rl.max_attempts,
-                max_turns=rl.max_turns,
-                chat=rl.chat,
-                reward_tol=rl.reward_tol,
                 multi_turn=lambda domain: False,
+                **rollout.collect_options(rl),
             )
         with phases.phase("advantages_batch"):
             batch, stats = rollout.make_batch(

@@ -116,14 +116,10 @@ def measure(seed: int, dtype: str, params, model_state, pool, batches: int, out:
             stream.next_tasks,
             tokenizer,
             groups=rl.prompts_per_step,
-            n=rl.group_size,
             sampling=rollout.sampling_params(
                 rl, tokenizer, seed=rollout.derive_seed(rl.seed, "batch", b), n=rl.group_size
             ),
-            max_attempts=rl.max_attempts,
-            max_turns=rl.max_turns,
-            chat=rl.chat,
-            reward_tol=rl.reward_tol,
+            **rollout.collect_options(rl),
         )[:2]
         line = {"bench": "routing_replay", "seed": seed, "dtype": dtype, "batch": b, "loadavg": loadavg()}
         if not samples:

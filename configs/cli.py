@@ -187,39 +187,35 @@ class _ParseError(Exception):
     """A command-line mistake found while absl parses the flags (message: one line)."""
 
 
-def _parser(config_names: Sequence[str]):
-    def parse(argv: list[str]) -> list[str]:
-        from absl import flags
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with the mistakes it meets (and the --config file's loading) as `_ParseError`s."""
+    from absl import flags
 
+    try:
+        args = flags.FLAGS(argv)
+    except flags.Error as e:  # an unknown flag, a value of the wrong type, a config file that failed
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        message = lines[0] if "Traceback" not in str(e) else f"{lines[0]} {lines[-1]}"
+        raise _ParseError(message.replace("flag --", "--", 1)) from e
+    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field that does not exist
+        line = _override_error(e, argv)
+        if line is None:
+            raise
+        raise _ParseError(line) from e
+    if "config" in flags.FLAGS:  # config files load lazily: a missing or broken one is reported now
         try:
-            args = flags.FLAGS(argv)
-        except flags.Error as e:  # an unknown flag, a value of the wrong type, a config file that failed
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            message = lines[0] if "Traceback" not in str(e) else f"{lines[0]} {lines[-1]}"
-            raise _ParseError(message.replace("flag --", "--", 1)) from e
-        except (AttributeError, KeyError) as e:  # ml_collections: an override of a field that does not exist
-            line = next((m for n in config_names if (m := _override_error(e, argv, n))), None)
-            if line is None:
-                raise
-            raise _ParseError(line) from e
-        for name in config_names:  # config files load lazily: a missing or broken one is reported now
-            if name in flags.FLAGS:
-                try:
-                    value = flags.FLAGS[name].value
-                    if value is not None:
-                        value.keys()  # a config that failed to load raises on first use
-                except (OSError, ValueError, SyntaxError, ImportError, AttributeError, TypeError) as e:
-                    raise _ParseError(_config_load_error(e, argv, name)) from e
-        return args
-
-    return parse
+            value = flags.FLAGS["config"].value
+            if value is not None:
+                value.keys()  # a config that failed to load raises on first use
+        except (OSError, ValueError, SyntaxError, ImportError, AttributeError, TypeError) as e:
+            raise _ParseError(_config_load_error(e, argv, "config")) from e
+    return args
 
 
 def run(
     main: Callable[[list[str]], int | None],
     *,
     argv: Sequence[str] | None = None,
-    config_names: Sequence[str] = ("config",),
 ) -> None:
     """`absl.app.run(main)`, with the mistakes a user can make as one line on stderr and exit status 2:
     a `configs.errors.UserError` (a config value, a path, a checkpoint, a missing extra), an unknown flag or
@@ -229,7 +225,7 @@ def run(
 
     verbose = verbosity(sys.argv if argv is None else argv) >= 1
     try:
-        app.run(main, argv=None if argv is None else list(argv), flags_parser=_parser(config_names))
+        app.run(main, argv=None if argv is None else list(argv), flags_parser=_parse_flags)
     except (UserError, _ParseError) as e:
         if verbose:
             raise

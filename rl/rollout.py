@@ -631,6 +631,18 @@ def collect(
     return kept, dict(counts), dict(drawn), dropped
 
 
+def collect_options(rl_cfg: Any) -> dict[str, Any]:
+    """The one place the main job's config becomes `collect`'s group size, back-fill rounds, turns, chat
+    template and zero-variance tolerance (rl.group_size, max_attempts, max_turns, chat, reward_tol)."""
+    return dict(
+        n=int(rl_cfg.group_size),
+        max_attempts=int(rl_cfg.max_attempts),
+        max_turns=int(rl_cfg.max_turns),
+        chat=bool(rl_cfg.chat),
+        reward_tol=float(rl_cfg.reward_tol),
+    )
+
+
 def sampling_params(
     rl_cfg: Any, tokenizer: Tokenizer, *, seed: int, n: int = 1, **changes: Any
 ) -> SamplingParams:

@@ -93,6 +93,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
     primary = distributed.is_primary()  # process 0 alone writes metrics, samples, evaluations, the table
     say = run_log.say if primary else lambda message: None
+    env_kwargs = data.env_kwargs(cfg)
     # The checkpoints' model config is checked before anything is written: a refused run changes nothing.
     ckpt = checkpoint.Checkpointer(
         os.path.join(os.path.abspath(workdir), "checkpoints"),
@@ -111,7 +112,6 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     say(f"run {workdir}: " + ("new" if meta is None else run_log.resume_note(meta, rl)))
     for note in validate.notes(cfg):
         say(f"note: {note}")
-    env_kwargs = data.env_kwargs(cfg)
 
     # ---- Environments: gate, pool (before JAX touches a device), task streams, curriculum -----------------
     domains = list(rl.domains)
@@ -294,12 +294,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 tokenizer,
                 groups=rl.prompts_per_step // processes,
                 shard=distributed.TaskShard(source.next_tasks) if processes > 1 else None,
-                n=rl.group_size,
                 sampling=rollout.sampling_params(rl, tokenizer, seed=seed, n=rl.group_size),
-                max_attempts=rl.max_attempts,
-                max_turns=rl.max_turns,
-                chat=rl.chat,
-                reward_tol=rl.reward_tol,
+                **rollout.collect_options(rl),
             )
             drawn = _global_draws(drawn, domains) if processes > 1 else drawn
             batch, stats = None, {}
