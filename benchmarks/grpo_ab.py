@@ -31,7 +31,7 @@ import numpy as np
 from grpo_step import grpo_cfg
 
 from inference import Engine
-from rl import distributed, rollout, train_step, validate
+from rl import distributed, rollout, sampler, train_step, validate
 from rl.train import _warm_up
 
 ARCH = "qwen3"
@@ -113,7 +113,7 @@ def child(kind: str) -> None:
         cfg,
         train_step.weights(state),
         validate.engine_config(cfg),
-        mesh=distributed.sampler_mesh(cfg, mesh),
+        mesh=sampler.layout(cfg, mesh).mesh,
     )
     update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
     wall, cpu = time.perf_counter(), time.process_time()

@@ -66,7 +66,7 @@ from configs import schema  # noqa: E402
 from envs import Score, Task  # noqa: E402
 from inference import Engine  # noqa: E402
 from model import plan  # noqa: E402
-from rl import distributed, rollout, train_step, validate  # noqa: E402
+from rl import distributed, rollout, sampler, train_step, validate  # noqa: E402
 from rl.train import _warm_up, _weight_sync  # noqa: E402  (the main job's own helpers)
 
 SHAPES = dict(prompts=4, group=4, prompt_len=32, new_tokens=64, beta=0.04, lr=1e-4)
@@ -206,9 +206,9 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
         cfg,
         train_step.weights(state),
         validate.engine_config(cfg),
-        mesh=distributed.sampler_mesh(cfg, mesh),
+        mesh=sampler.layout(cfg, mesh).mesh,
     )
-    push_weights = _weight_sync(cfg, engine, mesh, 1)
+    push_weights = _weight_sync(cfg, engine, sampler.layout(cfg, mesh), 1)
     phases, tokenizer = Phases(), IdTokenizer()
     update = timed_update(cfg, model_def, mesh, phases)
     t0, before_warmup = time.perf_counter(), _COMPILES["n"]

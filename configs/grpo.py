@@ -236,6 +236,13 @@ def _rl_table() -> dict:
         "engine.scheduler": Choice(
             "continuous", "continuous batching or static batches", ("continuous", "static")
         ),
+        "engine.mesh.processes": Int(
+            1,
+            "processes one engine spans, run in lockstep (1: an engine per process; 0: one engine over all)",
+            lo=0,
+        ),
+        "engine.mesh.expert": Int(0, "expert-parallel size of each engine (0: mesh.shape.expert)", lo=0),
+        "engine.mesh.tensor": Int(0, "tensor-parallel size of each engine (0: mesh.shape.tensor)", lo=0),
         "engine.cache_dtype": Choice("", 'KV cache dtype ("": model.compute_dtype)', ("", *DTYPES)),
         "engine.draft": Choice(
             "none",

@@ -74,6 +74,25 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 DRAFTERS = (ModelDrafter, NgramDrafter, GroupDrafter, MTPDrafter)
 
 
+def graph_config(cfg, engine_cfg: EngineConfig, mesh: jax.sharding.Mesh | None):
+    """The config an engine builds a model graph from: with a mesh, the inference rules; an MoE model's
+    `moe.every_expert_max_tokens` -1 becomes the decode and speculative steps' token count, max_batch x
+    (num_draft + 1): calls of up to that many tokens run every expert (longer prefill and scoring calls
+    dispatch)."""
+    out = cfg if mesh is None else layout.inference_config(cfg)
+    if out.model.moe.num_experts and out.model.moe.get("every_expert_max_tokens", -1) == -1:
+        out = ml_collections.ConfigDict(out).copy_and_resolve_references()
+        out.model.moe.every_expert_max_tokens = engine_cfg.max_batch * (engine_cfg.num_draft + 1)
+    return out
+
+
+def weight_shardings(cfg, engine_cfg: EngineConfig, mesh: jax.sharding.Mesh):
+    """Where an engine on `mesh` keeps the weights of the model `cfg` (its target's, or a draft model's):
+    the state `Engine(..., placed=True)` and `update_params(..., placed=True)` take as it is."""
+    _, abstract = split_weights(graph_config(cfg, engine_cfg, mesh))
+    return layout.weight_shardings(abstract, mesh, layout.inference_rules(tuple(cfg.mesh.rules)))
+
+
 class Engine(Scheduler):
     """`Engine(cfg, params, engine_cfg, *, draft=None, mesh=None)`: see the module docstring. `draft` is
     one of `DRAFTERS` or None. `mesh` (`model.sharding.make_mesh`): the engine's devices and the inference
@@ -87,6 +106,7 @@ class Engine(Scheduler):
         *,
         draft=None,
         mesh: jax.sharding.Mesh | None = None,
+        placed: bool = False,
     ):
         self.cfg, self.ecfg, self.mesh = cfg, engine_cfg or EngineConfig(), mesh
         e = self.ecfg
@@ -98,7 +118,7 @@ class Engine(Scheduler):
             self._weight_shardings = jax.tree.map(lambda a: a.sharding, params)
         else:
             self._weight_shardings = layout.weight_shardings(abstract, mesh, self._rules)
-        self.params, _ = weight_sync.to_layout(params, self._weight_shardings)
+        self.params, _ = weight_sync.to_layout(params, self._weight_shardings, copy=not placed)
         self.version = 0
         self.vocab = cfg.model.vocab_size
         if draft is not None and not isinstance(draft, DRAFTERS):
@@ -148,7 +168,7 @@ class Engine(Scheduler):
                 if mesh is None
                 else layout.weight_shardings(draft_abstract, mesh, self._rules)
             )
-            self.draft_params, _ = weight_sync.to_layout(draft.params, self._draft_shardings)
+            self.draft_params, _ = weight_sync.to_layout(draft.params, self._draft_shardings, copy=not placed)
             draft_model = nnx.merge(self._draft_graphdef, self.draft_params)
             shapes = jax.eval_shape(lambda: draft_model.init_paged_cache(e.pool_pages, e.page_size, dtype))
             self.draft_kv = self._zeros(shapes, draft_model.cache_rows()[1])
@@ -345,19 +365,20 @@ class Engine(Scheduler):
                     out[i] = chosen[r, len(p) : len(p) + len(c)]
         return out
 
-    def update_params(self, params, *, send: Sequence[bool] | None = None) -> int:
+    def update_params(self, params, *, send: Sequence[bool] | None = None, placed: bool = False) -> int:
         """Swaps in new weights (same tree, shapes, dtypes: no recompile); bumps and returns the policy
         version. `params` is the module or its `nnx.Param` state, with the selection biases of a sigmoid
         router (`drafters.model_weights`); a Param-only state keeps the current biases. They may be in any
         layout, on the engine's devices or on others (`weight_sync.to_layout`; `stats()["weight_bytes"]`
         counts what moved). `send` (a bool per leaf, `jax.tree.leaves` order): only those leaves are
         taken, the others stay as they are (`weight_sync.WeightSync`'s delta sync). The prefix cache is
-        emptied: its K/V came from the old weights."""
+        emptied: its K/V came from the old weights. `placed`: `params` are a fresh copy already in the
+        engine's layout (`weight_shardings()`), taken as they are."""
         params = model_weights("params", params, self.params, keep=self.params)
         with self._counting():
             # A copy: the trainer donates its params to the next step while sampling may still run.
             self.params, moved = weight_sync.to_layout(
-                params, self._weight_shardings, current=self.params, send=send
+                params, self._weight_shardings, current=self.params, send=send, copy=not placed
             )
             self._stats["weight_bytes"] += moved
             self._stats["weight_syncs"] += 1
@@ -365,7 +386,7 @@ class Engine(Scheduler):
             self.version += 1
             return self.version
 
-    def update_draft_params(self, params) -> None:
+    def update_draft_params(self, params, *, placed: bool = False) -> None:
         """Swaps in new weights of the `ModelDrafter` (same tree, shapes, dtypes: no recompile), copied so
         the caller may donate its own. Sequences in flight and cached prefixes keep the draft K/V of the old
         weights: that only lowers acceptance, never exactness (each draft token is verified against the q it
@@ -376,7 +397,7 @@ class Engine(Scheduler):
             )
         params = model_weights("draft params", params, self.draft_params, keep=self.draft_params)
         with self._counting():
-            self.draft_params, _ = weight_sync.to_layout(params, self._draft_shardings)
+            self.draft_params, _ = weight_sync.to_layout(params, self._draft_shardings, copy=not placed)
 
     def longest_prefill_bucket(self) -> int:
         """The longest prefill length bucket a call can use: `prefill_chunk`, or the bucket of `max_seq_len`
@@ -700,18 +721,14 @@ class Engine(Scheduler):
         return layout.inference_rules(tuple(self.cfg.mesh.rules))
 
     def _model_cfg(self, cfg):
-        """The config the engine builds a model graph from: with a mesh, the inference rules; an MoE model's
-        `moe.every_expert_max_tokens` -1 becomes the decode and speculative steps' token count, max_batch x
-        (num_draft + 1): calls of up to that many tokens run every expert (longer prefill and scoring
-        calls dispatch)."""
-        out = cfg if self.mesh is None else layout.inference_config(cfg)
-        if out.model.moe.num_experts and out.model.moe.get("every_expert_max_tokens", -1) == -1:
-            out = ml_collections.ConfigDict(out).copy_and_resolve_references()
-            out.model.moe.every_expert_max_tokens = self.ecfg.max_batch * (self.ecfg.num_draft + 1)
-        return out
+        return graph_config(cfg, self.ecfg, self.mesh)
 
     def _zeros(self, shapes, kv_heads: int | None):
         return layout.cache_zeros(shapes, self.mesh, kv_heads)
+
+    def weight_shardings(self, draft: bool = False):
+        """The shardings of the engine's weights (or its draft model's): where `placed` weights must be."""
+        return self._draft_shardings if draft else self._weight_shardings
 
     @property
     def devices(self) -> set:

@@ -42,13 +42,16 @@ from inference.drafters import model_weights
 MODES = ("colocated", "disaggregated")
 
 
-def to_layout(tree, shardings, *, current=None, send=None) -> tuple:
+def to_layout(tree, shardings, *, current=None, send=None, copy: bool = True) -> tuple:
     """(`tree` moved to `shardings`, bytes moved): see the module docstring. With `send` (a bool per leaf,
     in `jax.tree.leaves` order) and `current` (the engine's weights now), only the leaves sent move and
     the others keep `current`'s values: one jitted program whatever the subset (a `lax.cond` per leaf), so
-    a delta sync never compiles again. Host (numpy) leaves are put straight to their target."""
+    a delta sync never compiles again. Host (numpy) leaves are put straight to their target. `copy=False`:
+    a tree already placed exactly at `shardings` is returned as it is (no copy, 0 bytes moved)."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
+    if not copy and send is None and all(getattr(x, "sharding", None) == t for x, t in zip(leaves, targets)):
+        return tree, 0
     if send is None:
         host = [not isinstance(x, jax.Array) for x in leaves]
         out = list(leaves)

@@ -91,14 +91,18 @@ def _config_hash(summary: dict[str, Any]) -> str:
 
 
 def check_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Raises `ConfigMismatch` naming every field that differs (or exists on one side only)."""
+    """Raises `ConfigMismatch` naming every field that differs (or exists on one side only), but for the
+    runtime fields (`model.hf_config.RUNTIME_FIELDS`: how the model runs and trains, e.g. remat or the
+    expert exchange, not what its parameters are), which a resumed run may change."""
+    from model.hf_config import RUNTIME_FIELDS
+
     missing = object()
     diffs = [
         f"{k}: checkpoint {saved.get(k, missing)!r} vs now {current.get(k, missing)!r}".replace(
             repr(missing), "<absent>"
         )
         for k in sorted(set(saved) | set(current))
-        if saved.get(k, missing) != current.get(k, missing)
+        if saved.get(k, missing) != current.get(k, missing) and k not in RUNTIME_FIELDS
     ]
     if diffs:
         raise ConfigMismatch("checkpoint is of another model config; differing fields: " + "; ".join(diffs))

@@ -17,8 +17,7 @@ Dimension key: B rows of the global batch, P processes.
   deterministic) and rolls out its slice (`TaskShard`); group ids, and so sampling keys, are global.
 - The batch: each process's rows become one global array (`global_batch`,
   `jax.make_array_from_process_local_data`); row order is process order, which is the mesh's device order.
-- Weights to the sampler: `local_copy` reshards the trainer's params to replicated on the trainer's mesh (one
-  jitted transfer) and hands each process its local copy.
+- Weights to the sampler: `rl.sampler` (engines per process or spanning several, one jitted reshard).
 - Small host values (curriculum counts, the preemption flag) are exchanged with `allgather`.
 - Process 0 alone writes metrics, samples, evaluation files and the final table (`is_primary`).
 """
@@ -135,38 +134,6 @@ def global_batch(local: dict[str, np.ndarray], shardings: dict[str, Any], row_ax
     return out
 
 
-def local_copy(tree: Any, mesh) -> Any:
-    """Each process's own full copy of `tree` (arrays on `mesh`, possibly sharded across processes), as
-    arrays on its first local device: one jitted reshard to replicated on `mesh`, then the local shard."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    replicated = NamedSharding(mesh, PartitionSpec())
-    with jax.set_mesh(mesh):
-        full = _replicate(replicated)(tree)
-    device = mesh.local_devices[0]
-
-    def mine(x):
-        for shard in x.addressable_shards:
-            if shard.device == device:
-                return shard.data
-        return x.addressable_shards[0].data
-
-    return jax.tree.map(mine, full)
-
-
-_REPLICATORS: dict = {}
-
-
-def _replicate(sharding):
-    import jax
-
-    fn = _REPLICATORS.get(sharding)
-    if fn is None:
-        fn = _REPLICATORS[sharding] = Together(jax.jit(lambda t: t, out_shardings=sharding), "replicate")
-    return fn
-
-
 def sampler_devices(cfg) -> list:
     """This process's devices kept for the engine (`rl.sampler_devices`, its last local ones), or []."""
     import jax
@@ -189,56 +156,38 @@ def trainer_mesh(cfg):
     from model.sharding import make_mesh
 
     n = len(sampler_devices(cfg))  # every process keeps its last n local devices for its engine
-    kept = (
-        {d.id for p in range(jax.process_count()) for d in _local_of(p)[len(_local_of(p)) - n :]}
-        if n
-        else set()
-    )
+    kept = set()
+    for p in range(jax.process_count()) if n else ():
+        local = local_devices_of(p)
+        kept |= {d.id for d in local[len(local) - n :]}
     return make_mesh(cfg.mesh.shape, [d for d in jax.devices() if d.id not in kept])
 
 
-def _local_of(process_index: int) -> list:
+def local_devices_of(process_index: int) -> list:
     import jax
 
     return [d for d in jax.devices() if d.process_index == process_index]
 
 
-def sampler_mesh(cfg, trainer):
-    """The engine's mesh: this process's sampler devices (`rl.sampler_devices`), else its devices of the
-    trainer's mesh; experts and tensor split as in `cfg.mesh.shape` where those sizes divide the devices,
-    the rest data-parallel replicas."""
-    from model.sharding import make_mesh
-
-    devices = sampler_devices(cfg) or list(trainer.local_devices)
-    n = len(devices)
-    shape = {"data": -1}
-    for axis in ("expert", "tensor"):
-        size = int(trainer.shape[axis])
-        if size > 1:
-            if (n // shape.get("expert", 1)) % size:
-                raise ValueError(
-                    f"mesh.shape.{axis}={size} does not divide the engine's {n} devices of this process "
-                    f"(rl.sampler_devices={cfg.rl.sampler_devices}); pick sizes that divide them"
-                )
-            shape[axis] = size
-    return make_mesh(shape, devices)
-
-
 class TaskShard:
     """One process's part of each rollout round: every process asks for what it still misses, one global
     draw of the sum is made (the same on every process: replicated streams), and process p takes the slice
-    after the needs of processes 0..p-1. `draw` returns (tasks, global id of the first one's group)."""
+    after the needs of processes 0..p-1. `draw` returns (tasks, global id of the first one's group).
 
-    def __init__(self, next_tasks):
-        self.next_tasks = next_tasks
+    `members` > 1: processes come in groups of that many consecutive ones sharing one engine (`rl.sampler`);
+    every member of a group asks for the group's need and gets the group's slice (the slices follow the
+    groups' first processes' needs)."""
+
+    def __init__(self, next_tasks, members: int = 1):
+        self.next_tasks, self.members = next_tasks, members
         self.base = 0  # groups drawn so far in this batch's rounds, over all processes (one shard per batch)
 
     def draw(self, need: int) -> tuple[list, int]:
         index, _ = process()
-        needs = allgather([need])[:, 0].astype(int)
+        needs = allgather([need])[:: self.members, 0].astype(int)  # one need per group: its first process's
         total = int(needs.sum())
         tasks = self.next_tasks(total) if total else []
-        start = int(needs[:index].sum())
+        start = int(needs[: index // self.members].sum())
         first = self.base + start
         self.base += len(tasks)
         return tasks[start : start + need], first

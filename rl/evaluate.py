@@ -336,18 +336,21 @@ def run(
     with EnvPool(rl.env_workers, domains=env_kwargs, timeout_s=rl.env_timeout_s) as pool:
         from inference import Engine
         from model.tokenizer import load_tokenizer
-        from rl import rollout, train_step, validate
+        from rl import rollout, sampler, train_step, validate
 
         tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
         tasks = data.heldout_tasks(cfg, tokenizer)
         state, meta = restore_state(cfg, workdir, step, mesh=mesh)
-        # With the selection biases: the engine refuses a sigmoid-router model's params without them.
-        weights = distributed.local_copy(train_step.weights(state), mesh)
-        engine = Engine(cfg, weights, validate.engine_config(cfg))
+        # The main job's sampler layout (rl.engine.mesh); with the selection biases: the engine refuses a
+        # sigmoid-router model's params without them.
+        place, engine_cfg = sampler.layout(cfg, mesh), validate.engine_config(cfg)
+        weights = place.engine_weights(train_step.weights(state), cfg, engine_cfg)
+        del state  # the engine's copy is what evaluates
+        engine = Engine(cfg, weights, engine_cfg, mesh=place.mesh, placed=place.placed)
         sampling = rollout.sampling_params(rl, tokenizer, seed=seed)
         results = evaluate(
             engine,
-            pool,
+            sampler.SharedPool(pool, place) if place.lockstep else pool,
             tokenizer,
             tasks,
             k=rl.eval.k,

@@ -74,6 +74,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         pipeline,
         rollout,
         run_log,
+        sampler,
         train_step,
         validate,
     )
@@ -205,20 +206,25 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         from inference import Engine
 
         engine_cfg = validate.engine_config(cfg)
-        # One process: the trainer's arrays as they are (the engine moves them); several: each its own copy.
-        sampler_weights = lambda s: (  # noqa: E731
-            train_step.weights(s) if processes == 1 else distributed.local_copy(train_step.weights(s), mesh)
+        place = sampler.layout(cfg, mesh)  # rl.engine.mesh: engines per process or over several
+        say(f"sampler: {place.describe()}")
+        # One process: the trainer's arrays as they are (the engine moves them); several: one jitted push
+        # to every engine's layout at once (rl.sampler).
+        sampler_weights = lambda s, draft=False: place.engine_weights(  # noqa: E731
+            train_step.weights(s), draft_cfg if draft else cfg, engine_cfg
         )
         engine = Engine(
             cfg,
             sampler_weights(state),
             engine_cfg,
             draft=_drafter(rl.engine, draft_cfg, draft_state, sampler_weights),
-            mesh=distributed.sampler_mesh(cfg, mesh),
+            mesh=place.mesh,
+            placed=place.placed,
         )
+        env = sampler.SharedPool(pool, place) if place.lockstep else pool  # the group's shared results
         # False for a finished run started again: it compiles nothing the steps would use.
         steps_left = start_step < rl.steps
-        push_weights = _weight_sync(cfg, engine, mesh, processes)
+        push_weights = _weight_sync(cfg, engine, place, processes)
         if steps_left and rl.weight_sync_delta >= 0 and processes == 1:  # the delta program compiles now:
             push_weights(train_step.weights(state))  # the first push sends every leaf,
             push_weights(train_step.weights(state))  # the second runs the delta program (nothing changed)
@@ -249,7 +255,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             with phase.interruptible():
                 results = evaluate_lib.evaluate(
                     engine,
-                    pool,
+                    env,
                     tokenizer,
                     heldout,
                     k=rl.eval.k,
@@ -287,16 +293,20 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         def produce() -> pipeline.RolloutBatch:
             seed = rollout.derive_seed(rl.seed, "batch", source.next_batch_index())
             version_now = engine.version
+            members = len(place.members)  # an engine over several processes: they roll out its groups
             samples, counts, drawn, dropped = rollout.collect(
                 engine,
-                pool,
+                env,
                 source.next_tasks,
                 tokenizer,
-                groups=rl.prompts_per_step // processes,
-                shard=distributed.TaskShard(source.next_tasks) if processes > 1 else None,
+                groups=rl.prompts_per_step // processes * members,
+                shard=distributed.TaskShard(source.next_tasks, members) if processes > 1 else None,
                 sampling=rollout.sampling_params(rl, tokenizer, seed=seed, n=rl.group_size),
                 **rollout.collect_options(rl),
             )
+            if place.lockstep:  # each member trains on its own share; the group's first counts the draws
+                samples = place.share(samples, rl.prompts_per_step // processes)
+                drawn = drawn if place.leader else {}
             drawn = _global_draws(drawn, domains) if processes > 1 else drawn
             batch, stats = None, {}
             # Else every group (of every process) was filtered out: nothing to learn from this round.
@@ -358,12 +368,14 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                         for _ in range(rl.draft_train_steps):
                             draft_state, dm = distill(draft_state, draft_batch)
                         step_metrics["draft/cross_entropy"] = float(dm["cross_entropy"])
-                        engine.update_draft_params(sampler_weights(draft_state))
+                        draft_weights = sampler_weights(draft_state, draft=True)
+                        engine.update_draft_params(draft_weights, placed=place.placed)
                 step_metrics["pipeline/train_s"] = time.perf_counter() - t0
                 step += 1
                 step_metrics.update(item.metrics)
                 step_metrics.update(source.update_curriculum(step, item.domains))
                 if step % rl.log_every == 0 or step == rl.steps:
+                    step_metrics.update(_memory(state, ref_params, engine))
                     counts_now = _engine_counts(engine)
                     step_metrics.update(
                         _engine_metrics(counts_before, counts_now, rl.engine.host_cache_pages > 0)
@@ -686,38 +698,53 @@ def _drafter(engine_cfg, draft_cfg, draft_state, sampler_weights):
     if kind == "group":
         return GroupDrafter(engine_cfg.draft_ngram)
     if kind == "model":
-        return ModelDrafter(draft_cfg, sampler_weights(draft_state))
+        return ModelDrafter(draft_cfg, sampler_weights(draft_state, draft=True))
     return None
 
 
-def _weight_sync(cfg, engine, mesh, processes: int):
+def _weight_sync(cfg, engine, place, processes: int):
     """`push(weights) -> metrics`: the trainer's weights to the engine after each update. One process: the
     engine is on the trainer's devices (colocated: one jitted reshard to the inference layout) or on its own
     (rl.sampler_devices: disaggregated, device to device), every leaf or, with rl.weight_sync_delta >= 0, the
-    changed ones (`inference.WeightSync`). Across processes each process's engine takes its own full copy
-    (`rl.distributed.local_copy`)."""
+    changed ones (`inference.WeightSync`). Across processes: one jitted push to every engine's layout at once
+    (`rl.sampler.Layout.push`), taken by the engine as it is."""
     import time
 
+    from inference.drafters import model_weights
     from inference.weight_sync import WeightSync
-    from rl import distributed
 
     rl = cfg.rl
     if processes > 1:
 
-        def push_local(weights) -> dict:
+        def push_placed(weights) -> dict:
             t0 = time.perf_counter()
-            before = engine.stats().get("weight_bytes", 0)
-            engine.update_params(distributed.local_copy(weights, mesh))
-            return {
-                "sync/seconds": time.perf_counter() - t0,
-                "sync/bytes": float(engine.stats().get("weight_bytes", 0) - before),
-            }
+            weights = model_weights("params", weights, engine.params, keep=engine.params)
+            local, moved = place.push(weights, engine.weight_shardings())
+            engine.update_params(local, placed=True)
+            return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(moved)}
 
-        return push_local
+        return push_placed
     mode = "disaggregated" if rl.sampler_devices else "colocated"
     delta = float(rl.weight_sync_delta) if rl.weight_sync_delta >= 0 else None
     sync = WeightSync(engine, mode, delta_threshold=delta)
     return lambda weights: {k: float(v) for k, v in sync.push(weights).items()}
+
+
+def _memory(state, ref_params, engine) -> dict[str, float]:
+    """`memory/*` of the logged step, each the largest over every process: the bytes any one device holds
+    in live arrays, and in each part (params, optimizer state, reference, sampler weights, KV pages), and
+    the peak resident memory of a process (`rl.memory`; the planner's figure: `model.plan --sampler`)."""
+    from rl import distributed, memory
+
+    parts = {
+        "params": state.params,
+        "optimizer": state.opt_state,
+        "reference": ref_params,
+        "sampler_weights": (engine.params, engine.draft_params),
+        "kv_pages": (engine.kv, engine.draft_kv, engine.mtp_kv),
+    }
+    mine = memory.snapshot(parts)
+    return dict(zip(mine, distributed.allgather(list(mine.values())).max(axis=0)))
 
 
 def _global_draws(drawn: dict, domains: Sequence[str]) -> dict:

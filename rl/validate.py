@@ -18,7 +18,8 @@ from model.config import ConfigError
 
 DECODE_STEPS = 8  # rl.engine.decode_steps=0 without a drafter or with draft="model": steps per device call
 MANY_STEP_DRAFTS = ("none", "model")  # rl.engine.draft values whose engine runs several steps per call
-ENGINE_EXTRAS = ("draft", "draft_ngram")  # rl.engine fields the main job reads; the rest are EngineConfig's
+# rl.engine fields the main job reads; the rest are EngineConfig's
+ENGINE_EXTRAS = ("draft", "draft_ngram", "mesh")
 
 
 def _check(ok: bool, field: str, value, why: str) -> None:

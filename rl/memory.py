@@ -1,0 +1,68 @@
+"""Memory you can see: what each of this process's devices holds in live arrays, and the process's peak
+resident memory.
+
+Fake CPU devices share one process's memory, so a full copy where a shard belongs costs memory, not an
+error: `device_bytes` counts, per local device, the bytes of every live array's shard on it (a replicated
+array counts once on each device holding it), which is what an accelerator's HBM would hold. `trees`
+(named trees of arrays: params, optimizer state, sampler weights, KV pages) are counted the same way, each
+as its largest per-device figure, for the planner's prediction (`model.plan_memory`) to be checked against.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def _shard_bytes(x) -> Counter:
+    """Bytes of `x`'s addressable shards, per device (from the shards' index boxes: no copies made)."""
+    out: Counter = Counter()
+    if x.is_deleted():
+        return out
+    size = x.dtype.itemsize
+    for device, index in x.sharding.addressable_devices_indices_map(x.shape).items():
+        out[device] += math.prod(len(range(n)[sl]) for sl, n in zip(index, x.shape)) * size
+    return out
+
+
+def per_device(arrays: Iterable) -> Counter:
+    """Bytes per local device of `arrays` (each array counted once, however often it is passed)."""
+    import jax
+
+    out: Counter = Counter()
+    seen = set()
+    for x in arrays:
+        if isinstance(x, jax.Array) and id(x) not in seen:
+            seen.add(id(x))
+            out.update(_shard_bytes(x))
+    return out
+
+
+def device_bytes() -> int:
+    """The largest number of bytes any local device holds in live arrays (`jax.live_arrays`)."""
+    import jax
+
+    counts = per_device(jax.live_arrays())
+    return max(counts.values(), default=0)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def snapshot(trees: Mapping[str, Any]) -> dict[str, float]:
+    """`memory/*` metrics of this process: `device_bytes` (every live array), each named tree's largest
+    per-device bytes, and `peak_rss_bytes`."""
+    import jax
+
+    out = {"memory/device_bytes": float(device_bytes()), "memory/peak_rss_bytes": float(peak_rss_bytes())}
+    for name, tree in trees.items():
+        counts = per_device(jax.tree.leaves(tree))
+        out[f"memory/{name}_bytes"] = float(max(counts.values(), default=0))
+    return out
