@@ -1,0 +1,50 @@
+"""Child of tests/test_engine_hosts.py: one of two processes (4 fake CPU devices each) that builds the test
+config's train state on a trainer mesh of fsdp 8 over both, pushes it to
+two sampler layouts in turn (`rl.sampler.Layout.push`): one engine over both processes, then one per
+process, each expert 2 x tensor 2; for each it prints one JSON line: the engine's tokens and log-probs on
+the parent's prompts, its devices, and the largest bytes its weights hold on one local device.
+
+    python tests/engine_hosts_child.py PROCESS_ID PORT
+"""
+
+import json
+import sys
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def main(process_id: int, port: int) -> None:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    import engine_hosts_common as common
+
+    from inference import Engine
+    from rl import distributed, memory, sampler, train_step, validate
+
+    cfg = common.config(fsdp=8)
+    mesh = distributed.trainer_mesh(cfg)
+    _, state = train_step.init_state(cfg, mesh=mesh, seed=common.SEED)
+    engine_cfg = validate.engine_config(cfg)
+    for per in (0, 1):  # one engine over both processes, then one per process
+        cfg.rl.engine.mesh.update(processes=per, expert=2, tensor=2)
+        place = sampler.layout(cfg, mesh)
+        weights = place.engine_weights(train_step.weights(state), cfg, engine_cfg)
+        engine = Engine(cfg, weights, engine_cfg, mesh=place.mesh, placed=place.placed)
+        out = common.run(engine)
+        bytes_by_device = memory.per_device(jax.tree.leaves(engine.params))
+        out.update(
+            per=per,
+            engine_processes=sorted({d.process_index for d in place.mesh.devices.flat}),
+            engine_size=int(place.mesh.devices.size),
+            engine_shape={k: int(v) for k, v in place.mesh.shape.items()},
+            weight_bytes=max(bytes_by_device.values()),
+            lockstep=place.lockstep,
+        )
+        print("RESULT " + json.dumps(out), flush=True)
+        del engine, weights
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
