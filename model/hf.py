@@ -14,10 +14,12 @@ Supported architectures: `hf_config.ARCHITECTURES`. What config.json declares an
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -266,25 +268,66 @@ def _read(ckpt: hf_files.Checkpoint, p: _Param, names: dict, name: str) -> np.nd
     return x if scale == 1.0 else x * x.dtype.type(1 / scale)
 
 
-def _reader(ckpt: hf_files.Checkpoint, p: _Param, names: dict):
-    """Callback for `make_array_from_callback`: the shard `index` of parameter `p`, read tensor by tensor."""
+def _hf_slice(p: _Param, rest: tuple[slice, ...]):
+    """(slice of the HF tensor, function of what was read -> our element block `rest`) for the block `rest`
+    (contiguous slices over our element dims) of one element of `p`. An HF dim that flattens several of our
+    dims is read from the first one's slice with the others whole, then cut: exact when those are whole
+    (as for heads split over `tensor`), a little more than the block otherwise."""
+    e, es = p.entry, p.elem_shape
+    if e.layout == "same":
+        groups = [[d] for d in range(len(es))]
+    elif e.layout == "flat":
+        groups = [list(range(len(es)))] if es else []
+    else:  # stored [out, in]; ours is [in..., out...]
+        groups = [list(range(e.in_dims, len(es))), list(range(e.in_dims))]
+    index, expanded, cut = [], [], []
+    for g in groups:
+        inner = math.prod(es[d] for d in g[1:])
+        first = rest[g[0]]
+        index.append(slice(first.start * inner, first.stop * inner))
+        expanded += [first.stop - first.start] + [es[d] for d in g[1:]]
+        cut += [slice(None)] + [rest[d] for d in g[1:]]
+    order = [d for g in groups for d in g]
+    perm = [order.index(d) for d in range(len(es))]
+
+    def finish(x: np.ndarray) -> np.ndarray:
+        return np.transpose(_bits(x).reshape(expanded)[tuple(cut)], perm).view(x.dtype)
+
+    return tuple(index), finish
+
+
+def _read_shard(ckpt: hf_files.Checkpoint, p: _Param, names: dict, index: tuple[slice, ...]) -> np.ndarray:
+    """The block `index` (contiguous slices over `p.shape`) of parameter `p`: of each HF tensor (layer,
+    expert) it covers, only the slice it needs is read."""
     lead = p.lead
-    all_elems = dict(_elements(p, names))
+    elements = dict(_elements(p, names))
+    scale = _scale(p, names)
+    hf_index, finish = _hf_slice(p, index[lead:])
+    out = np.empty(tuple(s.stop - s.start for s in index), p.dtype)
+    for pos in np.ndindex(*out.shape[:lead]):
+        x = ckpt.read_slice(elements[tuple(s.start + i for s, i in zip(index, pos))], hf_index)
+        x = x if scale == 1.0 else x * x.dtype.type(1 / scale)
+        out[pos] = finish(x)
+    return out
 
-    def read(index: tuple) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(p.shape) - len(index))
-        lead_ranges = [range(p.shape[d])[index[d]] for d in range(lead)]
-        rest = index[lead:]
-        out_shape = tuple(len(r) for r in lead_ranges) + tuple(
-            len(range(p.shape[lead + d])[rest[d]]) for d in range(len(rest))
-        )
-        out = np.empty(out_shape, p.dtype)
-        for pos in np.ndindex(*[len(r) for r in lead_ranges]):
-            key = tuple(r[i] for r, i in zip(lead_ranges, pos))
-            out[pos] = _to_ours(_read(ckpt, p, names, all_elems[key]), p)[rest].astype(p.dtype)
-        return out
 
-    return read
+def _place_sharded(ckpt: hf_files.Checkpoint, p: _Param, names: dict, sharding_) -> jax.Array:
+    """Parameter `p` with `sharding_`, each distinct block that this process's devices hold read once (the
+    devices holding the same block share the read): the host holds one block at a time. On a mesh across
+    processes each process reads only its devices' blocks."""
+    blocks: dict[tuple, tuple] = {}  # (start, stop) per dim -> (slices, devices)
+    for device, index in sharding_.addressable_devices_indices_map(p.shape).items():
+        index = hf_files.full_slices(index, p.shape)
+        blocks.setdefault(tuple((s.start, s.stop) for s in index), (index, []))[1].append(device)
+    arrays = []
+    for index, devices in blocks.values():
+        host = _read_shard(ckpt, p, names, index)
+        placed = [jax.device_put(host, d) for d in devices]
+        jax.block_until_ready(placed)  # the transfers hold `host` until they have run
+        arrays += placed
+        del host
+    _release_freed_host_memory()
+    return jax.make_array_from_single_device_arrays(p.shape, sharding_, arrays)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
@@ -416,6 +459,15 @@ def _abstract(cfg: ml_collections.ConfigDict, variables=nnx.Param):
     return nnx.split(abstract, variables, ...)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadStats:
+    """What a load read: `bytes_read`, tensor data read from disk by this process (a slice counts its own
+    bytes), of `tensor_bytes`, what the tensors it loads hold as stored (FP8: with their scales)."""
+
+    bytes_read: int
+    tensor_bytes: int
+
+
 def load(
     directory,
     *,
@@ -423,19 +475,31 @@ def load(
     dtype: str | None = None,
     variables=nnx.Param,
     overrides: Mapping[str, Any] | None = None,
+    rules: sharding.Rules | None = None,
 ):
     """(cfg, params) of an HF checkpoint: `params` is the model's `nnx.Param` state, each array placed
-    with its sharding on `mesh` (or on the default device). `dtype` overrides the parameter dtype (FP8
-    checkpoints load in their non-quantized dtype, bf16 by default). `variables` (an nnx filter) widens
-    what is read, e.g. `(nnx.Param, model.moe.ExpertBias)` for DeepSeek-V3's `e_score_correction_bias`,
-    which `load_model` reads too. `overrides`: model fields set after config.json is read (`read_config`),
-    e.g. the runtime settings `scan_layers` or `remat` (the layout of the params follows them)."""
+    with its sharding on `mesh` (by `rules`, default the checkpoint config's `mesh.rules`; the returned
+    cfg's) or on the default device. On a mesh every device's block is read slice by slice, each distinct
+    block once per process, and a mesh may span processes (each reads only its devices' blocks). `dtype`
+    overrides the parameter dtype (FP8 checkpoints load in their non-quantized dtype, bf16 by default).
+    `variables` (an nnx filter) widens what is read, e.g. `(nnx.Param, model.moe.ExpertBias)` for
+    DeepSeek-V3's `e_score_correction_bias`, which `load_model` reads too. `overrides`: model fields set
+    after config.json is read (`read_config`), e.g. the runtime settings `scan_layers` or `remat` (the layout
+    of the params follows them)."""
+    cfg, params, _ = _load(directory, mesh, dtype, variables, overrides, rules)
+    return cfg, params
+
+
+def _load(directory, mesh, dtype, variables, overrides, rules):
+    """`load`, and its `LoadStats`."""
     directory = pathlib.Path(directory)
     cfg = read_config(directory, overrides=overrides)
     if dtype is not None:
         cfg.model.param_dtype = cfg.model.compute_dtype = str(jnp.dtype(dtype))
     if mesh is not None:
         cfg.mesh.shape = ml_collections.ConfigDict(dict(zip(mesh.axis_names, mesh.axis_sizes)))
+    if rules is not None:
+        cfg.mesh.rules = tuple((name, tuple(a) if isinstance(a, list) else a) for name, a in rules)
     config_lib.validate(cfg, None if mesh is None else mesh.size)
     _, params_state, _ = _abstract(cfg, variables)
     params = _describe(params_state, cfg)
@@ -452,6 +516,7 @@ def load(
     not_read += list(_zero_tensors(cfg, names, hf))  # the shared-expert gates, zero (`_match_tensors`)
     try:
         _check(ckpt, params, names, bool(cfg.model.tie_embeddings), mtp, not_read)
+        tensor_bytes = sum(ckpt.stored_bytes(n) for p in params for _, n in _elements(p, names))
         if mesh is None:
             shardings = {p.path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for p in params}
         else:
@@ -462,13 +527,13 @@ def load(
             if mesh is None:
                 values[p.path] = _assemble_in_place(ckpt, p, names, shardings[p.path])
             else:
-                reader = _reader(ckpt, p, names)
-                values[p.path] = jax.make_array_from_callback(p.shape, shardings[p.path], reader)
+                values[p.path] = _place_sharded(ckpt, p, names, shardings[p.path])
+                ckpt.close()  # unmaps the files: the pages read stay out of this process's memory
     finally:
         ckpt.close()
     for path, var in nnx.to_flat_state(params_state):
         var.set_value(values[path])
-    return cfg, params_state
+    return cfg, params_state, LoadStats(ckpt.bytes_read, tensor_bytes)
 
 
 def load_model(
@@ -477,43 +542,191 @@ def load_model(
     mesh: jax.sharding.Mesh | None = None,
     dtype: str | None = None,
     overrides: Mapping[str, Any] | None = None,
+    rules: sharding.Rules | None = None,
 ):
-    """(cfg, Transformer) with the checkpoint's weights (and expert selection biases); `overrides` as in
+    """(cfg, Transformer) with the checkpoint's weights (and expert selection biases); the arguments as in
     `load`."""
     variables = (nnx.Param, ExpertBias)
-    cfg, params = load(directory, mesh=mesh, dtype=dtype, variables=variables, overrides=overrides)
+    cfg, params = load(
+        directory, mesh=mesh, dtype=dtype, variables=variables, overrides=overrides, rules=rules
+    )
     graphdef, _, rest = _abstract(cfg, variables)
     return cfg, nnx.merge(graphdef, params, rest)
 
 
+def load_sharded(
+    directory, cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+) -> tuple[nnx.State, nnx.State, LoadStats]:
+    """(params, model_state, stats) of the checkpoint in `directory` for a run: `cfg` is the run's config,
+    whose model is the checkpoint's (`rl.validate.init_from_config` makes it so) with the run's runtime
+    fields (`hf_config.runtime_fields`), and `mesh` the trainer's, possibly across processes. Every array has
+    the sharding `rl.train_step.init_state(cfg, mesh=mesh, ...)` gives it (`cfg.mesh.rules` by logical
+    axes), so init_state moves nothing, and each process reads only the slices its devices hold. `params`:
+    the `nnx.Param` state; `model_state`: the other variables (the sigmoid routers' selection biases)."""
+    variables = (nnx.Param, ExpertBias)
+    overrides = hf_config.runtime_fields(cfg.model)
+    ckpt_cfg, state, stats = _load(directory, mesh, None, variables, overrides, cfg.mesh.rules)
+    graphdef, _, rest = _abstract(ckpt_cfg, variables)
+    _, params, model_state = nnx.split(nnx.merge(graphdef, state, rest), nnx.Param, ...)
+    return params, model_state, stats
+
+
+# --- Save -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where `save` takes one parameter's HF tensors from: `value` (an array, or on a mesh across processes
+    its `sharding` first, when no process holds all of some element), and the process that writes each
+    element (in `_elements` order)."""
+
+    value: Any
+    sharding: Any
+    writers: tuple
+
+
+def _export_sharding(x: jax.Array, p: _Param) -> jax.sharding.NamedSharding:
+    """x's devices as a (process, local device) mesh: the first leading dim (layers, experts) that divides
+    over the processes split across them, and a dim that divides over each process's devices split over
+    those. An element then lies in one process. Without such a leading dim every process holds the whole
+    parameter (split over its devices where a dim allows)."""
+    devices = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
+    per_process = collections.Counter(d.process_index for d in devices)
+    if len(set(per_process.values())) != 1:  # uneven processes: every device holds all of it
+        mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, -1), ("proc", "local"))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    procs, local = len(per_process), len(devices) // len(per_process)
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(procs, local), ("proc", "local"))
+    spec = [None] * len(p.shape)
+    split = next((d for d in range(p.lead) if p.shape[d] % procs == 0), None)
+    if split is not None:
+        spec[split] = "proc"
+    within = next((d for d in range(len(p.shape)) if d != split and p.shape[d] % local == 0), None)
+    if within is not None:
+        spec[within] = "local"
+    elif split is not None and p.shape[split] % (procs * local) == 0:
+        spec[split] = ("proc", "local")
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _holders(p: _Param, sharding_) -> dict[tuple, list[int]] | None:
+    """{leading-dim block ((start, stop) per leading dim): the processes whose devices hold all of each
+    element in it}, or None when some element is whole in no process."""
+    boxes: dict[tuple, dict[int, set]] = {}
+    for device, index in sharding_.devices_indices_map(p.shape).items():
+        index = hf_files.full_slices(index, p.shape)
+        block = tuple((s.start, s.stop) for s in index[: p.lead])
+        box = tuple((s.start, s.stop) for s in index[p.lead :])
+        boxes.setdefault(block, {}).setdefault(device.process_index, set()).add(box)
+    out = {}
+    for block, by_process in boxes.items():
+        every = set().union(*by_process.values())
+        out[block] = sorted(q for q, held in by_process.items() if held == every)
+        if not out[block]:
+            return None
+    return out
+
+
+def _source(p: _Param, x, processes: int, counter) -> _Source:
+    """Which process writes each element of `p` (value `x`): one that holds all of it; among several, turn
+    by turn (`counter`, shared by the parameters), so replicated parameters spread over the processes."""
+    everyone = list(range(processes))
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:  # every process holds the same values
+        elements = range(math.prod(p.shape[: p.lead]))
+        return _Source(x, None, tuple(everyone[next(counter) % processes] for _ in elements))
+    target, holders = x.sharding, _holders(p, x.sharding)
+    if holders is None:
+        target = _export_sharding(x, p)
+        holders = _holders(p, target)
+    writers = []
+    for lead in np.ndindex(*p.shape[: p.lead]):
+        block = next(b for b in holders if all(s <= i < e for (s, e), i in zip(b, lead)))
+        writers.append(holders[block][next(counter) % len(holders[block])])
+    return _Source(x, None if target == x.sharding else target, tuple(writers))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take(block, lead_K, lead: int):
+    """block[lead_K] (one element of a device's block), on its device."""
+    starts = tuple(lead_K) + (0,) * (block.ndim - lead)
+    return jax.lax.dynamic_slice(block, starts, (1,) * lead + block.shape[lead:]).reshape(block.shape[lead:])
+
+
+def _gather_element(x, p: _Param, lead: tuple) -> np.ndarray:
+    """Element `lead` of `p` (our layout) on the host, from this process's devices' blocks of it."""
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)[lead]
+    out = np.empty(p.elem_shape, x.dtype)
+    seen = set()
+    for shard in x.addressable_shards:
+        index = hf_files.full_slices(shard.index, p.shape)
+        key = tuple((s.start, s.stop) for s in index)
+        if key in seen or not all(s.start <= i < s.stop for s, i in zip(index, lead)):
+            continue
+        seen.add(key)
+        local = np.asarray([i - s.start for s, i in zip(index, lead)], np.int32)
+        out[index[p.lead :]] = np.asarray(_take(shard.data, local, p.lead) if p.lead else shard.data)
+    return out
+
+
 def save(
     cfg: ml_collections.ConfigDict, params: nnx.State, directory, *, max_shard_bytes: int = 2**31
-) -> None:
+) -> list[str]:
     """Writes `params` (the `nnx.Param` state, or one with the `ExpertBias` variables too, which DeepSeek-V3
     stores as `e_score_correction_bias`; without them transformers starts those at zero) as an HF
     checkpoint: config.json and safetensors shards (with model.safetensors.index.json when there are
-    several), one parameter on the host at a time."""
+    several).
+
+    Nothing is gathered into one process. Every process calls `save` with the same `directory` (a file
+    system they share) and writes the HF tensors (one layer / expert each) that it holds whole, into files
+    every process names alike (`hf_files.plan_files`); process 0 writes config.json and the index. A
+    parameter of which some element is whole in no process (its element dims split across processes) is
+    first resharded, all processes together, so that its layers or experts are split across processes.
+    The directory is complete when every process has returned: a caller across processes waits for all
+    (a barrier) before it reads or moves it. Peak memory: per device, its block of the parameter being
+    written, twice when that one is resharded; per host, the HF tensor being assembled and the tensors of
+    the file being filled (at most `max_shard_bytes`). One process writes what gathering each parameter
+    would: the same files, tensors and bytes. Returns the names of the files this process wrote."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf = hf_config.to_hf(cfg)
-    arch = hf["architectures"][0]
-    names = _names(arch)
+    names = _names(hf["architectures"][0])
     out_dtype = np.dtype(jax.numpy.dtype(cfg.model.param_dtype))
-    described = _describe(params, cfg)
+    me, processes = jax.process_index(), jax.process_count()
     values = dict(nnx.to_flat_state(params))
-    writer = hf_files.ShardWriter(directory, max_shard_bytes)
-    for p in described:
-        host = np.asarray(jax.device_get(sharding.variable_value(values[p.path])))
+    counter = itertools.count()
+    sources, plan = [], []  # plan: (HF name, bytes, writing process) in writing order
+    for p in _describe(params, cfg):
+        source = _source(p, sharding.variable_value(values[p.path]), processes, counter)
         dt = p.dtype if p.entry.name.endswith("e_score_correction_bias") else out_dtype  # f32 in HF too
-        scale = _scale(p, names)
-        for lead, name in _elements(p, names):
-            stored = _to_hf(host[lead], p).astype(dt)
-            writer.add(name, stored if scale == 1.0 else stored * stored.dtype.type(scale))
+        hf_bytes = hf_files.tensor_bytes(p.hf_shape(), dt)
+        plan += [(name, hf_bytes, q) for (_, name), q in zip(_elements(p, names), source.writers)]
         copies = [n for n, ours in _MTP_COPIES.items() if ours == p.path]  # MTP layers' shared copies
-        for k in range(cfg.model.mtp_layers) if copies else ():
-            writer.add(_mtp_copy(cfg, k, copies[0]), _to_hf(host, p).astype(dt))
-        del host
-    for name, shape in _zero_tensors(cfg, names, hf).items():
+        plan += [
+            (_mtp_copy(cfg, k, copies[0]), hf_bytes, source.writers[0])
+            for k in range(cfg.model.mtp_layers)
+            if copies
+        ]
+        sources.append((p, source, dt, copies))
+    zeros = _zero_tensors(cfg, names, hf)
+    plan += [(name, hf_files.tensor_bytes(shape, out_dtype), 0) for name, shape in zeros.items()]
+    files = hf_files.plan_files(plan, max_shard_bytes)
+    writer = hf_files.ShardWriter(directory, files, [name for name, _, q in plan if q == me])
+    for p, source, dt, copies in sources:
+        x = source.value if source.sharding is None else jax.device_put(source.value, source.sharding)
+        scale = _scale(p, names)
+        for (lead, name), q in zip(_elements(p, names), source.writers):
+            if q != me:
+                continue
+            stored = _to_hf(_gather_element(x, p, lead), p).astype(dt)
+            writer.add(name, stored if scale == 1.0 else stored * stored.dtype.type(scale))
+            for k in range(cfg.model.mtp_layers) if copies else ():
+                writer.add(_mtp_copy(cfg, k, copies[0]), stored)
+        del x
+    for name, shape in zeros.items() if me == 0 else ():
         writer.add(name, np.zeros(shape, out_dtype))
     writer.finish()
-    (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    if me == 0:
+        hf_files.write_index(directory, files, sum(nbytes for _, nbytes, _ in plan))
+        (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    return sorted({files[name] for name, _, q in plan if q == me})
