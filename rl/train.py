@@ -144,7 +144,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
 
         # ---- Train state: restore, or build (or load rl.init_from) and warm-start by SFT -------------------
         draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
-        pretrained = _pretrained(cfg) if meta is None and rl.init_from else {}  # resumed: its own state
+        pretrained = _pretrained(cfg, mesh) if meta is None and rl.init_from else {}  # resumed: its own state
         model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed, **pretrained)
         say(
             f"model: {sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.2f}M parameters on "
@@ -535,15 +535,16 @@ class _TaskSource:
         self.scheduler.load_state_dict(meta["curriculum"])
 
 
-def _pretrained(cfg) -> dict:
+def _pretrained(cfg, mesh) -> dict:
     """`init_state`'s params and model_state (the sigmoid routers' selection biases) from the rl.init_from
-    checkpoint, laid out by cfg's runtime model fields."""
-    from flax import nnx
+    checkpoint, laid out by cfg's runtime model fields and read slice by slice straight into the trainer's
+    shardings on `mesh` (each process reads only what its devices hold; init_state then moves nothing)."""
+    import logging
 
-    from model import hf, hf_config
+    from model import hf
 
-    _, model = hf.load_model(cfg.rl.init_from, overrides=hf_config.runtime_fields(cfg.model))
-    _, params, model_state = nnx.split(model, nnx.Param, ...)
+    params, model_state, stats = hf.load_sharded(cfg.rl.init_from, cfg, mesh)
+    logging.info("rl.init_from: read %d of the checkpoint's %d bytes", stats.bytes_read, stats.tensor_bytes)
     return {"params": params, "model_state": model_state}
 
 
