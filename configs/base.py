@@ -121,6 +121,19 @@ MODEL = {
         "shard_map (refuse layouts it cannot run), gspmd",
         ("auto", "shard_map", "gspmd"),
     ),
+    "moe.ep_exchange": Choice(
+        "auto",
+        "the expert-parallel shard_map's all-to-all: padded (every slot sent), ragged "
+        "(jax.lax.ragged_all_to_all, only the filled slots; TPU/GPU, not yet run on any); auto: padded",
+        ("auto", "padded", "ragged"),
+    ),
+    "moe.ep_capacity_factor": Float(
+        0.0,
+        "expert-parallel shard_map: slots per (sender, receiver) shard pair "
+        "C = ceil(factor * T' * top_k / J) (T' tokens per shard, J expert shards); assignments past C are "
+        "dropped and counted (moe/dropped_fraction); 0: dropless, C = T' * min(top_k, experts per shard)",
+        lo=0,
+    ),
     "moe.gather_max_tokens": Int(
         0,
         "token counts (batch x length) at or below this gather each token's top-k experts' weights instead "

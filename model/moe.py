@@ -245,8 +245,13 @@ class MoEBlock(nnx.Module):
             )
             kept_BTk = kept_BA.reshape(b, t, k)
             split = lambda a: a.reshape(b, t, k)
-            y_BTD = moe_parallel.dispatch(x_BTD, split(idx_Tk), split(w_Tk), kept_BTk, gate, up, down, layout)
-            return y_BTD, jnp.sum(1.0 - kept_BA.astype(jnp.float32))
+            y_BTD, exchange_dropped = moe_parallel.dispatch(
+                x_BTD, split(idx_Tk), split(w_Tk), kept_BTk, gate, up, down, layout
+            )
+            dropped = jnp.sum(1.0 - kept_BA.astype(jnp.float32))
+            if layout.capped:  # model.moe.ep_capacity_factor: the exchange's own drops
+                dropped = dropped + exchange_dropped.astype(jnp.float32)
+            return y_BTD, dropped
         gather_max = e.gather_max_tokens
         if gather_max < -1:
             raise ValueError(

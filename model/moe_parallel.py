@@ -13,8 +13,10 @@ only the dispatch runs inside the shard_map, on every device of the mesh at once
 2. The counts [J, X] (assignments per destination and expert) go by a small all-to-all, the rows by the
    padded all-to-all (`jax.lax.all_to_all`, every slot sent) or the ragged one
    (`jax.lax.ragged_all_to_all`, only the filled slots: chunk j lands at offset (sender) * C of shard j).
-   XLA:CPU has no ragged-all-to-all ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
-   ThunkEmitter", jax 0.10.2), so CPU runs the padded one.
+   `model.moe.ep_exchange`: auto is the padded one on every backend. The ragged one has never run: XLA:CPU
+   lacks it ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter", jax 0.10.2) and no
+   accelerator has run `tests/test_expert_parallel.py::test_ragged_exchange_on_accelerator` (marked
+   `accelerator`) yet; auto may pick it on a backend only once that test has passed there.
 3. Receiver: rows [J * C, D] from each sender in turn, each sender's sorted by expert; a row's local
    expert comes from the counts (X: an empty slot); `ragged_dispatch` (one row = one assignment of
    weight 1) computes them, empty rows out as zero.
@@ -25,6 +27,19 @@ Slots C: dropless, every assignment a shard's T' tokens can send one receiver, T
 experts are distinct). With `moe.impl = capacity` the drops are decided before, exactly as the GSPMD
 capacity path decides them (`capacity_rows`), and C is also at most (local sequences) * X * (capacity per
 sequence and expert). The expert-parallel output therefore equals the GSPMD path's, dropless or not.
+
+The dropless C sizes the padded buffers for the worst case (every assignment to one receiver):
+configs/moe_1t.py at 4,096 tokens per device on expert 64 has C = 4096 * 6 and a [64 * C, 7168] bf16
+buffer of 21 GiB. With
+`model.moe.ep_capacity_factor` f > 0 the exchange has
+
+    C = min(dropless C, max(1, ceil(f * T' * k / J)))
+
+slots per (sender, receiver) pair (f = 1: the balanced load T' * k / J), and a sender keeps, for each
+receiver, its first C assignments in token order (a token's k assignments in the order of its top-k);
+the rest are dropped (contribute zero, like the capacity impl's drops) and counted: the layer's
+`dropped_tokens` / `dropped_fraction` (the main job's `moe/dropped_fraction`). These drops are not the GSPMD
+path's, so with them the outputs differ from it; f = 0 (the default) leaves C and the program as they were.
 """
 
 from __future__ import annotations
@@ -51,6 +66,9 @@ from model.moe_dispatch import (
 MODES = ("auto", "shard_map", "gspmd")
 # Default of `model.moe.expert_parallel` until configs/base.py carries the field.
 DEFAULT_MODE = "auto"
+# `model.moe.ep_exchange`. auto -> padded on every backend: the ragged exchange has not run anywhere yet
+# (module docstring); make auto pick it on a backend only after the accelerator test has passed there.
+EXCHANGES = ("auto", "padded", "ragged")
 
 
 class Layout(NamedTuple):
@@ -63,6 +81,8 @@ class Layout(NamedTuple):
     mlp_axes: tuple[str, ...]  # mesh axes of the expert width (psum after the down projection)
     slots: int  # C
     local_tokens: int  # T' = tokens of one shard
+    ragged: bool = False  # the ragged all-to-all (`model.moe.ep_exchange`), else the padded one
+    capped: bool = False  # C is the ep_capacity_factor bound: senders drop past it (module docstring)
 
 
 def _axes(logical: str, rules, sizes: dict[str, int]) -> tuple[str, ...]:
@@ -95,6 +115,30 @@ def mode_of(moe_cfg) -> str:
     return mode
 
 
+def exchange_of(moe_cfg) -> str:
+    """'padded' or 'ragged': the all-to-all `model.moe.ep_exchange` picks (auto: padded, on every backend).
+    Said once per process at INFO (`note_path`). Ragged on CPU fails to compile (XLA:CPU lacks it)."""
+    choice = moe_cfg.get("ep_exchange", "auto")
+    if choice not in EXCHANGES:
+        raise ValueError(f"model.moe.ep_exchange={choice!r}; choose one of {EXCHANGES}")
+    chosen = "padded" if choice == "auto" else choice
+    note_path(f"model.moe.ep_exchange={choice}: the expert-parallel exchange is the {chosen} all-to-all")
+    return chosen
+
+
+def capacity_factor_of(moe_cfg) -> float:
+    """`model.moe.ep_capacity_factor` (0: dropless); a negative one is refused by name."""
+    factor = float(moe_cfg.get("ep_capacity_factor", 0.0))
+    if factor < 0:
+        raise ValueError(f"model.moe.ep_capacity_factor={factor} must be >= 0 (0: dropless)")
+    return factor
+
+
+def capped_slots(factor: float, local_tokens: int, top_k: int, shards: int) -> int:
+    """The ep_capacity_factor bound on C: max(1, ceil(factor * T' * k / J))."""
+    return max(1, math.ceil(factor * local_tokens * top_k / shards))
+
+
 def layout(
     moe_cfg,
     rules,
@@ -103,14 +147,17 @@ def layout(
     cap: int | None,
     *,
     mode: str | None = None,
+    ep_capacity_factor: float | None = None,
 ) -> Layout | None:
     """The shard_map layout of one MoE layer, or None for the GSPMD / one-device path.
 
     `sizes` are the mesh axis sizes ({} without a mesh), `shape_BT` the layer's token shape and `cap`
     the capacity per sequence and expert (None: dropless). With `model.moe.expert_parallel` = auto the
     shard_map runs whenever the experts are sharded and the layout allows it; = shard_map it must (else
-    a ValueError says why); = gspmd it never runs. `mode` overrides the config's field."""
+    a ValueError says why); = gspmd it never runs. `mode` and `ep_capacity_factor` override the config's
+    fields."""
     mode = mode or mode_of(moe_cfg)
+    factor = capacity_factor_of(moe_cfg) if ep_capacity_factor is None else float(ep_capacity_factor)
     if mode == "gspmd" or not experts_sharded(rules, sizes):
         return None
     exp_axes, mlp_axes = _weight_axes(rules, sizes)
@@ -144,7 +191,12 @@ def layout(
     slots = local_tokens * min(moe_cfg.top_k, per_shard)
     if cap is not None:
         slots = min(slots, (b // nb) * per_shard * cap)
-    return Layout(axis, shards, batch_axes, length_axes, mlp_axes, slots, local_tokens)
+    capped = False
+    if factor > 0:
+        bound = capped_slots(factor, local_tokens, moe_cfg.top_k, shards)
+        slots, capped = min(slots, bound), bound < slots
+    ragged = exchange_of(moe_cfg) == "ragged"
+    return Layout(axis, shards, batch_axes, length_axes, mlp_axes, slots, local_tokens, ragged, capped)
 
 
 def _entry(axes: tuple[str, ...]):
@@ -153,19 +205,19 @@ def _entry(axes: tuple[str, ...]):
 
 def dispatch(
     x_BTD, idx_BTk, w_BTk, kept_BTk, gate_EDF, up_EDF, down_EFD, lay: Layout, *, ragged: bool | None = None
-) -> jax.Array:
-    """The routed experts' output [B, T, D] by the shard_map dispatch of `lay` (under `jax.set_mesh`).
+) -> tuple[jax.Array, jax.Array]:
+    """(the routed experts' output [B, T, D], the int32 count of kept assignments the exchange dropped)
+    by the shard_map dispatch of `lay` (under `jax.set_mesh`).
 
-    `kept_BTk` marks the assignments to compute (all of them when dropless); `ragged` picks the ragged
-    all-to-all (default: everywhere but CPU, which lacks it)."""
-    if ragged is None:
-        ragged = jax.default_backend() != "cpu"
+    `kept_BTk` marks the assignments to compute (all of them when dropless); the count is 0 unless
+    `lay.capped`. `ragged` picks the ragged all-to-all (default: `lay.ragged`)."""
+    ragged = lay.ragged if ragged is None else ragged
     tokens = PartitionSpec(_entry(lay.batch_axes), _entry(lay.length_axes))
     mlp = _entry(lay.mlp_axes)
     w_in, w_out = PartitionSpec(lay.axis, None, mlp), PartitionSpec(lay.axis, mlp, None)
     local = functools.partial(_local, lay=lay, ragged=ragged)
     specs = (tokens, tokens, tokens, tokens, w_in, w_in, w_out)
-    return jax.shard_map(local, in_specs=specs, out_specs=tokens)(
+    return jax.shard_map(local, in_specs=specs, out_specs=(tokens, PartitionSpec()))(
         x_BTD, idx_BTk, w_BTk, kept_BTk, gate_EDF, up_EDF, down_EFD
     )
 
@@ -186,6 +238,12 @@ def _local(x_BTD, idx_BTk, w_BTk, kept_BTk, gate_XDF, up_XDF, down_XFD, *, lay: 
     n, num_rows = j * x, j * c
     # Sender: the kept assignments sorted by expert (group n: the dropped ones, last).
     key_A = jnp.where(kept_BTk, idx_BTk, n).reshape(-1).astype(jnp.int32)
+    dropped = jnp.zeros((), jnp.int32)
+    if lay.capped:  # each receiver's first C assignments in token order; the rest drop here
+        kept_count = jnp.sum(key_A < n, dtype=jnp.int32)
+        _, _, rank_A = sort_by_expert(jnp.where(key_A < n, key_A // x, j), j + 1)
+        key_A = jnp.where(rank_A < c, key_A, n)
+        dropped = _total(kept_count - jnp.sum(key_A < n, dtype=jnp.int32), lay)
     _, sizes_G, pos_A = sort_by_expert(key_A, n + 1)
     start_G = jnp.cumsum(sizes_G) - sizes_G
     dest_A = jnp.minimum(key_A // x, j - 1)
@@ -213,7 +271,15 @@ def _local(x_BTD, idx_BTk, w_BTk, kept_BTk, gate_XDF, up_XDF, down_XFD, *, lay: 
     y_TD = combine_rows(back_RD, w_BTk.reshape(b * t, k), assign_R, row_A)
     if lay.mlp_axes:
         y_TD = jax.lax.psum(y_TD, lay.mlp_axes)
-    return y_TD.reshape(b, t, d)
+    return y_TD.reshape(b, t, d), dropped
+
+
+def _total(count, lay: Layout):
+    """A per-shard count summed over the token shards, once: every copy of a token over the expert width's
+    axes counted the same assignments, so those copies agree (pmax) rather than add."""
+    if lay.mlp_axes:
+        count = jax.lax.pmax(count, lay.mlp_axes)
+    return jax.lax.psum(count, tuple(dict.fromkeys(lay.batch_axes + lay.length_axes)))
 
 
 def _exchange(rows_RD, send_J, recv_J, *, axis: str, slots: int, ragged: bool):
@@ -232,21 +298,25 @@ def _exchange(rows_RD, send_J, recv_J, *, axis: str, slots: int, ragged: bool):
 
 
 class AllToAllBytes(NamedTuple):
-    """All-to-all traffic of one MoE layer's forward on one device (a training step's backward sends as
-    much again). Dispatch and return each send (J - 1) of a device's J chunks to other devices."""
+    """All-to-all traffic and buffers of one MoE layer's forward on one device (a training step's backward
+    sends as much again). Dispatch and return each send (J - 1) of a device's J chunks to other devices.
+    Four buffers of `buffer_bytes` (send, receive, and the same for the return) live around the layer."""
 
     shards: int  # J
-    slots: int  # C
+    slots: int  # C under model.moe.ep_capacity_factor
     buffer_bytes: int  # one send or receive buffer: J * C * D * bytes
     padded_bytes: int  # padded all-to-all: 2 * (J - 1) * C * D * bytes + counts 4 * (J - 1) * X
     ragged_balanced_bytes: int  # ragged, balanced routing: 2 * (J - 1) / J * T' * k * D * bytes + counts
+    dropless_slots: int  # C with ep_capacity_factor = 0: T' * min(k, X) (capacity impl: its bound too)
+    dropless_buffer_bytes: int  # J * dropless C * D * bytes
 
 
 def all_to_all_bytes(cfg, mesh_sizes: dict[str, int], batch: int, seq_len: int) -> AllToAllBytes | None:
     """The expert-parallel all-to-all bytes per layer and device for a forward over [batch, seq_len]
     tokens on a mesh of `mesh_sizes`, from the config alone (what `model.plan` prints); None where the
     dispatch would not run as a shard_map (no expert axis, `expert_parallel = gspmd`, or a layout it
-    refuses). T' = batch * seq_len / (token shards); C as in `layout`; bytes of `model.compute_dtype`."""
+    refuses). T' = batch * seq_len / (token shards); C as in `layout` (with the config's
+    ep_capacity_factor, and without: the dropless buffer); bytes of `model.compute_dtype`."""
     m = cfg.model
     e = m.moe
     if not e.num_experts:
@@ -257,12 +327,14 @@ def all_to_all_bytes(cfg, mesh_sizes: dict[str, int], batch: int, seq_len: int) 
         cap = max(1, math.ceil(e.capacity_factor * seq_len * e.top_k / e.num_experts))
     if mode_of(e) == "gspmd":
         return None
-    lay = layout(e, tuple(cfg.mesh.rules), sizes, (batch, seq_len), cap, mode="auto")  # refused: None
+    rules, shape = tuple(cfg.mesh.rules), (batch, seq_len)
+    lay = layout(e, rules, sizes, shape, cap, mode="auto")  # refused: None
     if lay is None:
         return None
+    dropless = layout(e, rules, sizes, shape, cap, mode="auto", ep_capacity_factor=0.0).slots
     item = jnp.dtype(m.compute_dtype).itemsize
     j, c, d = lay.shards, lay.slots, m.d_model
     counts = 4 * (j - 1) * (e.num_experts // j)  # int32 [J, X], sent once (the return reuses them)
     padded = 2 * (j - 1) * c * d * item + counts
     ragged = round(2 * (j - 1) / j * lay.local_tokens * e.top_k * d * item) + counts
-    return AllToAllBytes(j, c, j * c * d * item, padded, ragged)
+    return AllToAllBytes(j, c, j * c * d * item, padded, ragged, dropless, j * dropless * d * item)

@@ -18,7 +18,7 @@ from ml_collections import ConfigDict
 
 from configs.schema import ConfigError
 from model import config as config_lib
-from model import sharding
+from model import moe_parallel, sharding
 from model.plan_format import format_table  # noqa: F401  (the table of `plan`, used by model.demo)
 from model.transformer import Transformer
 
@@ -258,6 +258,11 @@ def plan(
     a real run on this mesh would reject: dims that do not divide their mesh axes, a batch or a
     length that does not divide over its shards. With `cfg.rl.micro_batches` = M (a GRPO config),
     activations are those of one micro-batch of batch / M rows.
+
+    With the expert-parallel shard_map on this mesh (`model.moe_parallel`), `ep_buffer_bytes_dropless`
+    and `ep_buffer_bytes` are one exchange buffer [J * C, D] of one MoE layer on one device (compute
+    dtype; four live around the layer: send and receive, there and back) for one micro-batch, with C
+    dropless and under `model.moe.ep_capacity_factor`; None without that path. Not in the total.
     """
     sizes = mesh_sizes(mesh_shape)
     micro = int(cfg.rl.micro_batches) if "rl" in cfg else 1
@@ -276,6 +281,7 @@ def plan(
         warnings.append(f"batch {batch} does not divide over data*fsdp*expert = {batch_shards}")
     if seq_len % sizes["sequence"]:
         warnings.append(f"seq_len {seq_len} does not divide over sequence = {sizes['sequence']}")
+    a2a = moe_parallel.all_to_all_bytes(cfg, sizes, -(-batch // micro), seq_len)
     return {
         "mesh": sizes,
         "devices": math.prod(sizes.values()),
@@ -292,6 +298,9 @@ def plan(
         "grad_bytes_per_device": grad_bytes,
         "adamw_bytes_per_device": 2 * param_bytes,
         "activation_bytes_per_device": activation_bytes,
+        "ep_capacity_factor": float(cfg.model.moe.get("ep_capacity_factor", 0.0)),
+        "ep_buffer_bytes_dropless": None if a2a is None else a2a.dropless_buffer_bytes,
+        "ep_buffer_bytes": None if a2a is None else a2a.buffer_bytes,
         "total_bytes_per_device": total_bytes,
         "hbm_gib": hbm_gib,
         "fits": total_bytes <= hbm_gib * 2**30,

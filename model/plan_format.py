@@ -44,8 +44,17 @@ def format_table(p: dict) -> str:
         ("activations/device", _gib(p["activation_bytes_per_device"])),
         ("total/device", _gib(p["total_bytes_per_device"])),
         (f"fits {p['hbm_gib']:g} GiB", "yes" if p["fits"] else "NO"),
-    ] + [("warning", w) for w in p["warnings"]]
-    return _rows(rows)
+    ]
+    if p.get("ep_buffer_bytes") is not None:
+        factor = p["ep_capacity_factor"]
+        capped = f", {_gib(p['ep_buffer_bytes'])} at ep_capacity_factor {factor:g}" if factor else ""
+        rows.append(
+            (
+                "EP buffer/layer",
+                f"{_gib(p['ep_buffer_bytes_dropless'])} dropless{capped} (one of 4; not in total)",
+            )
+        )
+    return _rows(rows + [("warning", w) for w in p["warnings"]])
 
 
 def format_rollout(p: dict) -> str:

@@ -473,7 +473,7 @@ def _grpo_metrics(cfg, logits_BTV, aux, mb: Batch, w, num_micro: int):
     moe = aux["moe_loss"] / num_micro
     metrics.update(moe_loss=moe, advantage_mean=jnp.mean(mb["advantages_B"]) / num_micro)
     metrics["loss"] = w * loss + moe
-    return metrics["loss"], _with_load(metrics, aux)
+    return metrics["loss"], _with_load(metrics, aux, num_micro)
 
 
 def _grpo_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int):
@@ -509,9 +509,14 @@ def _grpo_domain_losses(cfg, graphdef, params, mb: Batch, w, num_micro: int, *, 
     return jnp.stack(losses), metrics
 
 
-def _with_load(metrics: dict, aux: dict) -> dict:
-    """metrics plus the per-layer expert loads [L_moe, E] (an MoE model's), for the selection-bias update."""
-    return dict(metrics, expert_load=aux["expert_load"]) if "expert_load" in aux else metrics
+def _with_load(metrics: dict, aux: dict, num_micro: int) -> dict:
+    """metrics plus, for an MoE model, the per-layer expert loads [L_moe, E] (for the selection-bias update)
+    and `moe/dropped_fraction`: the routed assignments dropped (capacity impl, the expert-parallel
+    exchange's `model.moe.ep_capacity_factor`), a mean over layers and micro-batches (equal counts each)."""
+    if "expert_load" not in aux:
+        return metrics
+    dropped = {"moe/dropped_fraction": aux["dropped_fraction"] / num_micro}
+    return dict(metrics, expert_load=aux["expert_load"], **dropped)
 
 
 def _is_extreme(name: str) -> bool:
@@ -532,7 +537,7 @@ def _sft_loss(cfg, graphdef, params, mb: Batch, w, num_micro: int, *, mtp_weight
         metrics["mtp_loss"] = w * mtp_loss(logits_DBTV, mb["tokens_BT"], mb["mask_BT"])
         loss = loss + mtp_weight * metrics["mtp_loss"]
     metrics["loss"] = loss
-    return loss, _with_load(metrics, aux)
+    return loss, _with_load(metrics, aux, num_micro)
 
 
 def _units_M(aggregation: str, mask_MBT: jax.Array) -> jax.Array:

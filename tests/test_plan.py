@@ -408,6 +408,26 @@ def test_all_to_all_plan_totals():
     assert plan_rollout.all_to_all_plan(cfg, {"data": 2}, 32) == {}  # no expert axis: no all-to-all
 
 
+def test_expert_parallel_buffer_bytes_by_hand():
+    # tiny (4 experts, top-2, d_model 64, f32) on expert 4 x data 2, batch 8 x 16: one row of T' = 16 tokens
+    # per device; J = 4, X = 1. Dropless C = 16 * min(2, 1) = 16: one buffer 4 * 16 * 64 * 4 = 16,384 bytes.
+    # ep_capacity_factor 1: C = ceil(1 * 16 * 2 / 4) = 8, 8,192 bytes. Neither is in the total.
+    cfg = tiny.get_config()
+    mesh = {"expert": 4, "data": 2}
+    p = plan.plan(cfg, mesh, 8, 16)
+    assert (p["ep_capacity_factor"], p["ep_buffer_bytes_dropless"], p["ep_buffer_bytes"]) == (
+        0.0,
+        16_384,
+        16_384,
+    )
+    cfg.model.moe.ep_capacity_factor = 1.0
+    p = plan.plan(cfg, mesh, 8, 16)
+    assert (p["ep_buffer_bytes_dropless"], p["ep_buffer_bytes"]) == (16_384, 8192)
+    assert p["total_bytes_per_device"] == plan.plan(tiny.get_config(), mesh, 8, 16)["total_bytes_per_device"]
+    assert "0.02 MiB dropless, 0.01 MiB at ep_capacity_factor 1" in plan.format_table(p)
+    assert plan.plan(cfg, {"data": 8}, 8, 16)["ep_buffer_bytes"] is None  # no expert axis
+
+
 # --- XLA check ---------------------------------------------------------------------------------------------
 
 # Arguments (state + batch), outputs (state + metrics) and the donated state are exact quantities; the
