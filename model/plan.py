@@ -345,6 +345,11 @@ def main(argv: list[str]) -> None:
             )
         )
         result["rollout_a2a"] = plan_rollout.all_to_all_plan(cfg, infer, a2a_tokens)
+    if f.sampler:
+        from model import plan_memory
+
+        sampler = None if f.sampler == "auto" else parse_mesh(f.sampler)
+        result["device_bytes"] = plan_memory.device_bytes(cfg, mesh, sampler)
     if f.xla:
         from model import plan_xla
 
@@ -379,6 +384,12 @@ if __name__ == "__main__":
     flags.DEFINE_integer("context", 32768, "tokens of one rollout sequence (prompt + completion)")
     flags.DEFINE_string("inference_dtype", None, "dtype of the engine's weights (default: param_dtype)")
     flags.DEFINE_string("kv_dtype", None, "dtype of the KV cache (default: compute_dtype)")
+    flags.DEFINE_string(
+        "sampler",
+        None,
+        "data:N,expert:N,tensor:N of the engine's mesh, or auto (the main job's: rl.engine.mesh): prints "
+        "the live bytes per device the main job logs as memory/* (model.plan_memory) for --mesh",
+    )
     flags.DEFINE_integer(
         "a2a_tokens",
         None,

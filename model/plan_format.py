@@ -93,6 +93,19 @@ def format_a2a(p: dict, mesh_name: str, *, training: bool) -> str:
     return title + "\n" + _rows(rows)
 
 
+def format_memory(p: dict) -> str:
+    """The live bytes per device (`model.plan_memory.device_bytes`, the main job's memory/*), and with the
+    train step's f32 gradients and activations of the plan above."""
+    d = p["device_bytes"]
+    rows = [(f"  {k}", f"{_gib(v)} ({v:,} bytes)") for k, v in d.items()]
+    step = d["total"] + p["grad_bytes_per_device"] + p["activation_bytes_per_device"]
+    fits = "fits" if step <= p["hbm_gib"] * 2**30 else "does NOT fit"
+    rows += [
+        ("  + train step", f"{_gib(step)} with f32 gradients and activations ({fits} {p['hbm_gib']:g} GiB)"),
+    ]
+    return "live bytes per device (memory/*, largest device)\n" + _rows(rows)
+
+
 def format_xla(p: dict) -> str:
     """The xla_* entries (`model.plan_xla.xla_plan`): XLA's bytes, the estimate, their ratio."""
     out = [f"{'XLA train step':<20}{'XLA':>15}{'estimate':>15}{'XLA/est':>9}  (bytes per device)"]
@@ -112,6 +125,8 @@ def format_all(p: dict) -> str:
         parts.append(format_rollout(p))
         if p.get("rollout_a2a"):
             parts.append(format_a2a(p["rollout_a2a"], "inference mesh", training=False))
+    if "device_bytes" in p:
+        parts.append(format_memory(p))
     if any(k.startswith("xla_") for k in p):
         parts.append(format_xla(p))
     return "\n\n".join(parts)
