@@ -555,14 +555,15 @@ def load_model(
 
 
 def load_sharded(
-    directory, cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+    directory, cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None
 ) -> tuple[nnx.State, nnx.State, LoadStats]:
     """(params, model_state, stats) of the checkpoint in `directory` for a run: `cfg` is the run's config,
     whose model is the checkpoint's (`rl.validate.init_from_config` makes it so) with the run's runtime
     fields (`hf_config.runtime_fields`), and `mesh` the trainer's, possibly across processes. Every array has
     the sharding `rl.train_step.init_state(cfg, mesh=mesh, ...)` gives it (`cfg.mesh.rules` by logical
-    axes), so init_state moves nothing, and each process reads only the slices its devices hold. `params`:
-    the `nnx.Param` state; `model_state`: the other variables (the sigmoid routers' selection biases)."""
+    axes), so init_state moves nothing, and each process reads only the slices its devices hold (no mesh:
+    the default device). `params`: the `nnx.Param` state; `model_state`: the other variables (the sigmoid
+    routers' selection biases)."""
     variables = (nnx.Param, ExpertBias)
     overrides = hf_config.runtime_fields(cfg.model)
     ckpt_cfg, state, stats = _load(directory, mesh, None, variables, overrides, cfg.mesh.rules)

@@ -535,10 +535,11 @@ class _TaskSource:
         self.scheduler.load_state_dict(meta["curriculum"])
 
 
-def _pretrained(cfg, mesh) -> dict:
+def _pretrained(cfg, mesh=None) -> dict:
     """`init_state`'s params and model_state (the sigmoid routers' selection biases) from the rl.init_from
     checkpoint, laid out by cfg's runtime model fields and read slice by slice straight into the trainer's
-    shardings on `mesh` (each process reads only what its devices hold; init_state then moves nothing)."""
+    shardings on `mesh` (each process reads only what its devices hold; init_state then moves nothing), or
+    onto the default device."""
     import logging
 
     from model import hf
