@@ -10,7 +10,11 @@ A run's train state (its latest checkpoint, or `--step`) as a Hugging Face check
 - the tokenizer files, when the run used a Hugging Face tokenizer directory (rl.tokenizer, which
   rl.init_from sets to the checkpoint's when it has one).
 
-The run's config and checkpoint are read as `rl.evaluate` reads them (`load_run_config`, `restore_state`).
+The run's config and checkpoint are read as `rl.evaluate` reads them (`load_run_config`, `restore_state`),
+onto the trainer's mesh (the run's mesh.shape over this job's devices; one device where a single process's
+devices do not fit it). Across processes every process runs the command (`rl.distributed`, as `rl.train`)
+with --out on a file system they share: no process gathers the model, each writes the safetensors files of
+the tensors it holds (`model.hf.save`), process 0 the index, config.json and the tokenizer files.
 A model no supported format holds (`model.hf_config.to_hf`), or an --out that is a file or a non-empty
 directory, is refused before the checkpoint is read; --out appears complete or not at all.
 """
@@ -19,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import sys
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -48,18 +52,24 @@ class ExportRefused(UserError, ValueError):
     before the checkpoint is read. The CLI prints it as one line."""
 
 
+def tokenizer_files(source: str) -> list[str]:
+    """The names of the `TOKENIZER_FILES` present in the directory `source`."""
+    return [
+        n
+        for n in TOKENIZER_FILES
+        if os.path.isfile(os.path.join(source, n)) or os.path.isdir(os.path.join(source, n))
+    ]
+
+
 def copy_tokenizer(source: str, out: str) -> list[str]:
     """Copies the `TOKENIZER_FILES` present in the directory `source` into `out`; returns their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
+    copied = tokenizer_files(source)
+    for name in copied:
         path = os.path.join(source, name)
         if os.path.isdir(path):
             shutil.copytree(path, os.path.join(out, name), dirs_exist_ok=True)
-        elif os.path.isfile(path):
-            shutil.copy2(path, os.path.join(out, name))
         else:
-            continue
-        copied.append(name)
+            shutil.copy2(path, os.path.join(out, name))
     return copied
 
 
@@ -68,10 +78,11 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     checkpoint; returns {"step", "tokenizer_files"}. `cfg`: the run's config (default:
     `<workdir>/config.json`). Raises `ExportRefused` (a ValueError), before reading the checkpoint, when no
     supported format holds the model or `out` is a file or a non-empty directory. The files are written into
-    a new directory beside `out` and renamed to it at the end; on any error nothing is left."""
+    a new directory beside `out` and renamed to it at the end; on any error nothing is left. Across processes
+    every process calls it alike (see the module docstring) and returns once `out` is complete."""
     require("safetensors", "python -m rl.export (Hugging Face checkpoints)")
     from model import hf, hf_config
-    from rl import evaluate, train_step
+    from rl import distributed, evaluate, train_step
 
     cfg = cfg if cfg is not None else evaluate.load_run_config(workdir)
     try:
@@ -82,18 +93,42 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
         raise ExportRefused(f"--out={out} is a file; give a new or empty directory")
     if os.path.isdir(out) and os.listdir(out):
         raise ExportRefused(f"--out={out} is a directory with files in it; give a new or empty directory")
-    state, meta = evaluate.restore_state(cfg, workdir, step)
+    distributed.initialize()
+    state, meta = evaluate.restore_state(cfg, workdir, step, mesh=_mesh(cfg))
+    tokenizer = cfg.rl.tokenizer
+    has_tokenizer = bool(tokenizer) and os.path.isdir(tokenizer)
     with _staged(out) as staging:
         hf.save(cfg, train_step.weights(state), staging)
-        tokenizer = cfg.rl.tokenizer
-        files = copy_tokenizer(tokenizer, staging) if tokenizer and os.path.isdir(tokenizer) else []
-    return {"step": meta.get("step"), "tokenizer_files": files}
+        if has_tokenizer and distributed.is_primary():
+            copy_tokenizer(tokenizer, staging)
+    return {"step": meta.get("step"), "tokenizer_files": tokenizer_files(tokenizer) if has_tokenizer else []}
+
+
+def _mesh(cfg: Any) -> Any:
+    """The trainer's mesh (`rl.distributed.trainer_mesh`): no device holds more than its share of the state.
+    A single process whose devices the run's mesh.shape does not fit (a pod's run exported on a laptop)
+    restores on one device instead."""
+    import jax
+
+    from rl import distributed
+
+    try:
+        return distributed.trainer_mesh(cfg)
+    except ValueError:
+        if jax.process_count() > 1:
+            raise
+        return None
 
 
 @contextlib.contextmanager
 def _staged(out: str) -> Iterator[str]:
     """A new directory beside `out` (same file system), renamed to `out` when the block succeeds (an empty
-    `out` is replaced); on an error it is removed, with the parent directories made for it."""
+    `out` is replaced); on an error it is removed, with the parent directories made for it. Across
+    processes: one directory for all, named by process 0, which makes, renames and removes it; the others
+    wait for it at each step (`rl.distributed.barrier`)."""
+    from rl import distributed
+
+    primary = distributed.is_primary()
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     made = []  # missing ancestors, deepest first
@@ -101,17 +136,24 @@ def _staged(out: str) -> Iterator[str]:
     while not os.path.exists(d):
         made.append(d)
         d = os.path.dirname(d)
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(out)}.partial-{uuid.uuid4().hex[:8]}")
-    os.mkdir(staging)
+    token = int(distributed.allgather([random.getrandbits(24)])[0, 0])  # process 0's (f32 on the wire)
+    staging = os.path.join(parent, f".{os.path.basename(out)}.partial-{token:06x}")
+    if primary:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(staging)
+    distributed.barrier("rl.export:staged")
     try:
         yield staging
-        os.replace(staging, out)
+        distributed.barrier("rl.export:written")  # every process's files are in place
+        if primary:
+            os.replace(staging, out)
+        distributed.barrier("rl.export:renamed")
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for d in made:
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
+        if primary:
+            shutil.rmtree(staging, ignore_errors=True)
+            for d in made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
         raise
 
 
