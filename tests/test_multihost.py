@@ -62,12 +62,18 @@ OVERRIDES = {  # the run of both tests, also as --config flags
 }
 
 
-def _command(workdir, steps: int = STEPS) -> list[str]:
-    flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+# Sampler layouts (rl.engine.mesh): one engine over both processes, run in lockstep; an engine per process.
+# Either samples the one-device engine's tokens (tests/test_engine_hosts.py), so the runs stay equal.
+ONE_ENGINE = {"rl.engine.mesh.processes": 0, "rl.engine.mesh.expert": 2, "rl.engine.mesh.tensor": 2}
+ENGINE_EACH = {"rl.engine.mesh.processes": 1, "rl.engine.mesh.expert": 2, "rl.engine.mesh.tensor": 2}
+
+
+def _command(workdir, steps: int = STEPS, layout: dict | None = None) -> list[str]:
+    flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **(layout or {})}.items()]
     return test_train._command(workdir) + [f"--config.rl.steps={steps}", *flags]
 
 
-def _start_pair(workdir, log_dir, steps: int = STEPS) -> list[subprocess.Popen]:
+def _start_pair(workdir, log_dir, steps: int = STEPS, layout: dict | None = None) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for i in range(2):
@@ -75,7 +81,9 @@ def _start_pair(workdir, log_dir, steps: int = STEPS) -> list[subprocess.Popen]:
             4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
         )
         log = open(os.path.join(log_dir, f"{os.path.basename(workdir)}.{i}.log"), "ab")  # noqa: SIM115
-        procs.append(subprocess.Popen(_command(workdir, steps), cwd=ROOT, env=env, stdout=log, stderr=log))
+        procs.append(
+            subprocess.Popen(_command(workdir, steps, layout), cwd=ROOT, env=env, stdout=log, stderr=log)
+        )
         log.close()
     return procs
 
@@ -130,15 +138,19 @@ def _params_moved_and_equal(a, b, warm) -> float:
 
 
 def test_two_processes_equal_one_and_resume_across_processes(tmp_path):
-    """Two processes run 2 GRPO steps and stop; restarted with rl.steps=3 they restore step 2 across
-    processes and run the third. One process (this one) runs the 3 steps; the parameters agree."""
+    """Two processes run 2 GRPO steps with one engine over both and stop; restarted with rl.steps=3 and an
+    engine each (the sampler layout is not part of the checkpoint), they restore step 2 across processes
+    and run the third. One process (this one) runs the 3 steps; the parameters agree."""
     logs = tmp_path / "logs"
     logs.mkdir()
     pair, single = tmp_path / "pair", tmp_path / "single"
-    procs = _start_pair(pair, logs, steps=2)
+    procs = _start_pair(pair, logs, steps=2, layout=ONE_ENGINE)
     _in_process_run(single, 3)  # straight through: a resume is exact (test_train's kill -9 test)
     _wait(procs, logs)
-    _wait(_start_pair(pair, logs, steps=3), logs)
+    _wait(_start_pair(pair, logs, steps=3, layout=ENGINE_EACH), logs)
+    said = (logs / "pair.0.log").read_text()
+    assert "sampler: 1 engine(s), each over 2 process(es)" in said
+    assert "sampler: 2 engine(s), each over its process" in said
 
     (a, meta_a), (b, meta_b) = _final(pair), _final(single)
     assert meta_a["step"] == meta_b["step"] == 3
@@ -152,19 +164,25 @@ def test_two_processes_equal_one_and_resume_across_processes(tmp_path):
 @pytest.mark.slow
 def test_two_processes_equal_one_and_resume_after_kill_9(tmp_path):
     """Covered in the default run, less the kill, by the test above (and by test_train.py's kill -9 of one
-    process): two processes against one process of 8 started apart, and a kill -9 of both processes."""
+    process): two processes against one process of 8 started apart, and a kill -9 of both processes, all
+    with one engine over both processes (lockstep)."""
     logs = tmp_path / "logs"
     logs.mkdir()
     pair, killed, single = tmp_path / "pair", tmp_path / "killed", tmp_path / "single"
 
-    procs = _start_pair(pair, logs)
+    procs = _start_pair(pair, logs, layout=ONE_ENGINE)
     one = subprocess.run(
-        _command(single), cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=1500
+        _command(single, layout=ONE_ENGINE),
+        cwd=ROOT,
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
     assert one.returncode == 0, one.stderr[-3000:]
     _wait(procs, logs)
 
-    procs = _start_pair(killed, logs)
+    procs = _start_pair(killed, logs, layout=ONE_ENGINE)
     deadline = time.time() + 1500
     while not (killed / "checkpoints" / "2").exists():
         assert all(p.poll() is None for p in procs) and time.time() < deadline, "ended before step 2"
@@ -172,7 +190,7 @@ def test_two_processes_equal_one_and_resume_after_kill_9(tmp_path):
     for p in procs:
         p.send_signal(signal.SIGKILL)
         p.wait()
-    _wait(_start_pair(killed, logs), logs)
+    _wait(_start_pair(killed, logs, layout=ONE_ENGINE), logs)
 
     (a, meta_a), (b, meta_b), (c, meta_c) = _final(pair), _final(single), _final(killed)
     assert meta_a["step"] == meta_b["step"] == meta_c["step"] == STEPS
