@@ -588,9 +588,9 @@ class _Source:
 
 def _export_sharding(x: jax.Array, p: _Param) -> jax.sharding.NamedSharding:
     """x's devices as a (process, local device) mesh: the first leading dim (layers, experts) that divides
-    over the processes split across them, and a dim that divides over each process's devices split over
-    those. An element then lies in one process. Without such a leading dim every process holds the whole
-    parameter (split over its devices where a dim allows)."""
+    over the processes split across them, and a dim that divides over each process's devices (one that x
+    splits, if any) split over those. An element then lies in one process. Without such a leading dim every
+    process holds the whole parameter (split over its devices where a dim allows)."""
     devices = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
     per_process = collections.Counter(d.process_index for d in devices)
     if len(set(per_process.values())) != 1:  # uneven processes: every device holds all of it
@@ -602,7 +602,10 @@ def _export_sharding(x: jax.Array, p: _Param) -> jax.sharding.NamedSharding:
     split = next((d for d in range(p.lead) if p.shape[d] % procs == 0), None)
     if split is not None:
         spec[split] = "proc"
-    within = next((d for d in range(len(p.shape)) if d != split and p.shape[d] % local == 0), None)
+    # Within a process, a dim the source already splits first: XLA reshards that without replicating.
+    source = x.sharding.shard_shape(p.shape)
+    dims = sorted(range(len(p.shape)), key=lambda d: source[d] == p.shape[d])
+    within = next((d for d in dims if d != split and p.shape[d] % local == 0), None)
     if within is not None:
         spec[within] = "local"
     elif split is not None and p.shape[split] % (procs * local) == 0:
