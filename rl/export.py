@@ -165,7 +165,7 @@ def main() -> None:
 
     # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
     # import it first, and let ours replace its --workdir.
-    from rl import train  # noqa: F401
+    from rl import distributed, train  # noqa: F401
 
     workdir = flags.DEFINE_string(
         "workdir", None, "Run directory (config.json, checkpoints/).", allow_override=True
@@ -180,7 +180,8 @@ def main() -> None:
         cli.quiet_console(workdir.value)
         report = export(workdir.value, out.value, step=step.value)
         extra = f" and {len(report['tokenizer_files'])} tokenizer files" if report["tokenizer_files"] else ""
-        print(f"wrote step {report['step']}{extra} to {out.value}", file=sys.stderr)
+        if distributed.is_primary():  # across processes: said once
+            print(f"wrote step {report['step']}{extra} to {out.value}", file=sys.stderr)
 
     cli.run(_main)
 
