@@ -1,9 +1,11 @@
 """Hugging Face checkpoints: `load(dir) -> (cfg, params)` and `save(cfg, params, dir)`, no torch.
 
-Safetensors are read with safetensors' numpy API, one tensor at a time: every parameter is created with
-`jax.make_array_from_callback`, whose callback reads only the HF tensors (layers, experts) that the
-requested shard covers. A host therefore holds the placed model plus one tensor in flight, never the
-whole model twice, and with a mesh each device's shard is assembled from only what it needs.
+Safetensors are read with safetensors' numpy API. Without a mesh a parameter is built on its device one HF
+tensor (layer, expert) at a time. On a mesh (`load(mesh=...)`, `load_sharded` for the main job, a mesh
+across processes included) each distinct block that this process's devices hold is read once, from only the
+slices of the HF tensors it covers (`hf_files.Checkpoint.read_slice`): a host holds its share of the model
+plus one block in flight, never the whole model. `save` writes from every process the tensors it holds,
+gathering no parameter into one process.
 
 Our parameters stack layers ([L, ...] when `scan_layers`) and experts ([E, ...]); HF stores one tensor
 per layer and expert, linear weights as [out, in]. `_TABLE` maps each of our parameter paths to its HF
