@@ -31,18 +31,26 @@ def _fp8_dtypes() -> dict:
     return {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
-def read_raw(path: pathlib.Path, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-    """One tensor (or its slice `index`) read from the safetensors layout itself (8-byte header size, JSON
-    header, data): the numpy reader of safetensors does not know the float8 dtypes. A slice is copied out of
-    a read-only map of the file, so only the pages it covers are read."""
+def read_header(path: pathlib.Path) -> tuple[int, dict]:
+    """(offset of the data, JSON header) of a safetensors file: 8 bytes of header size, the header, data."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(size))[name]
+        return 8 + size, json.loads(f.read(size))
+
+
+def read_raw(
+    path: pathlib.Path, name: str, index: tuple[slice, ...] | None = None, header: tuple | None = None
+) -> np.ndarray:
+    """One tensor (or its slice `index`) read from the safetensors layout itself: the numpy reader of
+    safetensors does not know the float8 dtypes. A slice is copied out of a read-only map of the file, so
+    only the pages it covers are read. `header`: the file's `read_header`, if known."""
+    start, entries = header or read_header(path)
+    info = entries[name]
     begin, end = info["data_offsets"]
     dtype = _fp8_dtypes()[info["dtype"]]
     if end == begin:
         return np.zeros(info["shape"], dtype)
-    mapped = np.memmap(path, np.uint8, "r", offset=8 + size + begin, shape=(end - begin,))
+    mapped = np.memmap(path, np.uint8, "r", offset=start + begin, shape=(end - begin,))
     whole = mapped.view(dtype).reshape(info["shape"])
     out = np.array(whole if index is None else whole[index])
     del whole, mapped
@@ -96,6 +104,7 @@ class Checkpoint:
             )
         self.directory, self.weight_map = directory, weight_map
         self._files: dict[str, object] = {}
+        self._headers: dict[str, tuple] = {}  # FP8 files' `read_header`, parsed once
 
     def _file(self, name: str):
         fname = self.weight_map[name]
@@ -141,7 +150,10 @@ class Checkpoint:
         shape, _ = self.shape_dtype(name)
         index = full_slices(index, shape)
         if self.quantized(name):
-            w = self._count(read_raw(self.directory / self.weight_map[name], name, index))
+            fname = self.weight_map[name]
+            if fname not in self._headers:
+                self._headers[fname] = read_header(self.directory / fname)
+            w = self._count(read_raw(self.directory / fname, name, index, self._headers[fname]))
             (rows, cols), (bo, bi) = index, self.block
             blocks = (
                 slice(rows.start // bo, -(-rows.stop // bo)),
