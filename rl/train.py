@@ -29,6 +29,7 @@ A run killed with `kill -9` resumes from its last checkpoint (bit-identical in s
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -363,6 +364,12 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     state, update_metrics = update(state, batch, ref_params=ref_params)
                     step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
                     step_metrics.update(push_weights(train_step.weights(state)))  # with the selection biases
+                    # The replaced state and engine weights go now: nnx's tree flattening leaves reference
+                    # cycles that would hold them (a second copy on every device) until Python's next
+                    # cyclic collection.
+                    t_gc = time.perf_counter()
+                    gc.collect(1)
+                    step_metrics["memory/gc_s"] = time.perf_counter() - t_gc
                     if distill is not None:
                         draft_batch = {k: batch[k] for k in train_step.SFT_KEYS}
                         for _ in range(rl.draft_train_steps):
