@@ -77,6 +77,10 @@ def test_sampler_parts_by_hand():
     # (2 kv heads divide by 2): layers * kv heads 4 -> 2 rows.
     got = plan_memory.device_bytes(cfg, {"data": 2, "fsdp": 4}, {"data": 2, "expert": 2, "tensor": 2})
     assert (got["sampler_weights"], got["kv_pages"]) == (4 * 78_720, KV // 2)
+    # The same engine mesh from the config: rl.engine.mesh.expert / tensor (the main job's sampler layout).
+    cfg.rl.engine.mesh.expert = cfg.rl.engine.mesh.tensor = 2
+    assert plan_memory.device_bytes(cfg, {"data": 2, "fsdp": 4}) == got
+    cfg.rl.engine.mesh.expert = cfg.rl.engine.mesh.tensor = 0
     # tensor 4: 2 kv heads do not divide, so k and v weights stay whole (2,048 each) and so do the pages;
     # q, o 1,024 each; gate, up, down 4 * 64 * 24 = 6,144 each; shared 1,024 each; router 256; norms 160:
     # 28,064 per layer. embed, unembed 4,096 each; final_norm 64. 2 * 28,064 + 8,192 + 64 = 64,384.
