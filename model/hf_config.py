@@ -56,6 +56,9 @@ RUNTIME_FIELDS = (
     "remat",
     "moe.impl",
     "moe.capacity_factor",
+    "moe.expert_parallel",
+    "moe.ep_exchange",
+    "moe.ep_capacity_factor",
     "moe.z_loss_weight",
     "moe.bias_update_rate",
 )

@@ -145,7 +145,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
 
         # ---- Train state: restore, or build (or load rl.init_from) and warm-start by SFT -------------------
         draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
-        pretrained = _pretrained(cfg, mesh) if meta is None and rl.init_from else {}  # resumed: its own state
+        # rl.init_from starts a new run; a resumed one restores its own state
+        pretrained = _pretrained(cfg, mesh, say, logger) if meta is None and rl.init_from else {}
         model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed, **pretrained)
         say(
             f"model: {sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.2f}M parameters on "
@@ -542,17 +543,29 @@ class _TaskSource:
         self.scheduler.load_state_dict(meta["curriculum"])
 
 
-def _pretrained(cfg, mesh=None) -> dict:
+def _pretrained(cfg, mesh=None, say=None, logger=None) -> dict:
     """`init_state`'s params and model_state (the sigmoid routers' selection biases) from the rl.init_from
     checkpoint, laid out by cfg's runtime model fields and read slice by slice straight into the trainer's
     shardings on `mesh` (each process reads only what its devices hold; init_state then moves nothing), or
-    onto the default device."""
-    import logging
-
+    onto the default device. The bytes each process read are said and logged (`init_from/*`, step 0)."""
     from model import hf
+    from rl import distributed
 
     params, model_state, stats = hf.load_sharded(cfg.rl.init_from, cfg, mesh)
-    logging.info("rl.init_from: read %d of the checkpoint's %d bytes", stats.bytes_read, stats.tensor_bytes)
+    read = distributed.allgather([stats.bytes_read])[:, 0]
+    if say is not None:
+        said = ", ".join(f"{int(n):,}" for n in read)
+        say(f"rl.init_from: read {said} of the checkpoint's {stats.tensor_bytes:,} bytes (per process)")
+    if logger is not None:
+        logger.log(
+            0,
+            {
+                "init_from/bytes_read_max": float(read.max()),
+                "init_from/bytes_read_total": float(read.sum()),
+                "init_from/checkpoint_bytes": float(stats.tensor_bytes),
+            },
+            progress=False,
+        )
     return {"params": params, "model_state": model_state}
 
 
