@@ -365,12 +365,6 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     state, update_metrics = update(state, batch, ref_params=ref_params)
                     step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
                     step_metrics.update(push_weights(train_step.weights(state)))  # with the selection biases
-                    # The replaced state and engine weights go now: nnx's tree flattening leaves reference
-                    # cycles that would hold them (a second copy on every device) until Python's next
-                    # cyclic collection.
-                    t_gc = time.perf_counter()
-                    gc.collect(1)
-                    step_metrics["memory/gc_s"] = time.perf_counter() - t_gc
                     if distill is not None:
                         draft_batch = {k: batch[k] for k in train_step.SFT_KEYS}
                         for _ in range(rl.draft_train_steps):
@@ -378,6 +372,12 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                         step_metrics["draft/cross_entropy"] = float(dm["cross_entropy"])
                         draft_weights = sampler_weights(draft_state, draft=True)
                         engine.update_draft_params(draft_weights, placed=place.placed)
+                    # The replaced states and engine weights go now: nnx's tree flattening (flax's
+                    # flatten_to_sequence) leaves reference cycles that would hold them (a second copy on
+                    # every device) until Python's next cyclic collection.
+                    t_gc = time.perf_counter()
+                    gc.collect(1)
+                    step_metrics["memory/gc_s"] = time.perf_counter() - t_gc
                 step_metrics["pipeline/train_s"] = time.perf_counter() - t0
                 step += 1
                 step_metrics.update(item.metrics)
