@@ -93,6 +93,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     _, processes = distributed.initialize()
     mesh = distributed.trainer_mesh(cfg)
     validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
+    place = sampler.layout(cfg, mesh)  # rl.engine.mesh (engines per process or over several), checked now
     primary = distributed.is_primary()  # process 0 alone writes metrics, samples, evaluations, the table
     say = run_log.say if primary else lambda message: None
     env_kwargs = data.env_kwargs(cfg)
@@ -208,7 +209,6 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         from inference import Engine
 
         engine_cfg = validate.engine_config(cfg)
-        place = sampler.layout(cfg, mesh)  # rl.engine.mesh: engines per process or over several
         say(f"sampler: {place.describe()}")
         # One process: the trainer's arrays as they are (the engine moves them); several: one jitted push
         # to every engine's layout at once (rl.sampler).
