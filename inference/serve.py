@@ -1,4 +1,5 @@
 """python -m inference.serve --workdir=runs/<run> [--step=N] | --hf_dir=DIR | --config=configs/tiny.py
+[--mesh=expert:2,tensor:2]
 
 An OpenAI-compatible HTTP server for any checkpoint: a training run's (`--workdir`, its latest checkpoint or
 `--step`, restored as `rl.evaluate` restores it), a Hugging Face directory (`--hf_dir`, `model.hf.load_model`)
@@ -20,6 +21,10 @@ Each engine is driven by one thread (`inference.serve_loop.EngineLoop`); handler
 their updates, and concurrent requests share the engine's continuous batching. A client that disconnects
 cancels its request (its pages are freed at once); a full queue answers 429.
 
+`--mesh=expert:2,tensor:2` (axes of `model.sharding.MESH_AXES`, data the rest) runs both engines sharded
+over this process's devices in the inference layout (`inference.layout`), sharing one copy of the weights;
+with `--hf_dir` every parameter is read straight into that layout, a model larger than one device included.
+
 Loading: `inference.serve_load` (`--workdir` needs `rl`, for the run's config and checkpoint format, and
 imports it only then).
 """
@@ -39,6 +44,8 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import jax
+
 try:  # the serve extra: without it main() (and create_app) say so in one line
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -51,7 +58,7 @@ from inference import serve_api, serve_metrics
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from inference.serve_api import APIError, APIRequest, Limits
-from inference.serve_load import DRAFTS, Loaded, load_hf, load_random, load_run, make_drafter
+from inference.serve_load import DRAFTS, Loaded, load_hf, load_random, load_run, make_drafter, parse_mesh
 from inference.serve_loop import EngineLoop, Submission, Update
 from model.tokenizer import Tokenizer
 
@@ -93,23 +100,19 @@ class Server:
         route_fast_below: int = 0,
         warmup: bool = True,
         max_body_bytes: int = 4 * 2**20,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> Server:
-        """A plain engine and, unless `draft="none"`, a fast one over the same weights."""
+        """A plain engine and, unless `draft="none"`, a fast one over the same weights, both on `mesh`
+        (`serve_load.parse_mesh`; None: the weights' device). The fast engine takes the plain one's weights
+        as they are (no step donates them): one copy on the devices."""
         name, tok = loaded.name, loaded.tokenizer
-        loops = {
-            name: EngineLoop(
-                Engine(loaded.cfg, loaded.weights, engine_cfg),
-                tok,
-                name=name,
-                max_queue=max_queue,
-                warmup=warmup,
-            )
-        }
+        plain = Engine(loaded.cfg, loaded.weights, engine_cfg, mesh=mesh, placed=loaded.placed)
+        loops = {name: EngineLoop(plain, tok, name=name, max_queue=max_queue, warmup=warmup)}
         fast_of = {}
         drafter = make_drafter(loaded.cfg, draft)
         if drafter is not None:
             fast = name + FAST_SUFFIX
-            engine = Engine(loaded.cfg, loaded.weights, engine_cfg, draft=drafter)
+            engine = Engine(loaded.cfg, plain.params, engine_cfg, draft=drafter, mesh=mesh, placed=True)
             loops[fast] = EngineLoop(engine, tok, name=fast, max_queue=max_queue, warmup=warmup)
             fast_of[name] = fast
         limits = Limits(
@@ -371,6 +374,12 @@ def main() -> None:
     )
     step = flags.DEFINE_integer("step", None, "With --workdir: the checkpoint step (default: the latest).")
     hf_dir = flags.DEFINE_string("hf_dir", None, "A Hugging Face checkpoint directory.")
+    mesh_flag = flags.DEFINE_string(
+        "mesh",
+        None,
+        "Run the engines sharded on a mesh of this process's devices, e.g. expert:2,tensor:2 (data: the "
+        "rest); default: one device.",
+    )
     tokenizer = flags.DEFINE_string(
         "tokenizer", None, "Tokenizer directory or 'byte' (default: the model's)."
     )
@@ -421,26 +430,13 @@ def main() -> None:
         ]
         if len(given) != 1:
             raise UserError(f"give exactly one of --workdir, --hf_dir, --config (got {given or 'none'})")
-        cli.check_port(host.value, port.value)  # before minutes of loading and compiling
+        mesh = parse_mesh(mesh_flag.value)  # before minutes of loading and compiling, as the port
+        cli.check_port(host.value, port.value)
         cli.quiet_console(workdir.value or None)
         if hf_dir.value and not os.path.isfile(os.path.join(hf_dir.value, "config.json")):
             raise UserError(
                 f"--hf_dir={hf_dir.value} holds no config.json: give a Hugging Face checkpoint dir"
             )
-        if workdir.value:
-            loaded = load_run(workdir.value, step.value, tokenizer=tokenizer.value)
-        elif hf_dir.value:
-            loaded = load_hf(hf_dir.value, tokenizer=tokenizer.value)
-        else:
-            path = config_flags.get_config_filename(flags.FLAGS["config"])
-            loaded = load_random(
-                cli.with_block_overrides(config.value),
-                name=_config_name(path),
-                seed=seed.value,
-                tokenizer=tokenizer.value,
-            )
-        if name.value:
-            loaded.name = name.value
         ecfg = EngineConfig(
             max_batch=max_batch.value,
             max_seq_len=max_seq_len.value,
@@ -452,6 +448,20 @@ def main() -> None:
             prefix_cache_pages=prefix_cache_pages.value,
             host_cache_pages=host_cache_pages.value,
         )
+        if workdir.value:
+            loaded = load_run(workdir.value, step.value, tokenizer=tokenizer.value)
+        elif hf_dir.value:
+            loaded = load_hf(hf_dir.value, tokenizer=tokenizer.value, mesh=mesh, engine_cfg=ecfg)
+        else:
+            path = config_flags.get_config_filename(flags.FLAGS["config"])
+            loaded = load_random(
+                cli.with_block_overrides(config.value),
+                name=_config_name(path),
+                seed=seed.value,
+                tokenizer=tokenizer.value,
+            )
+        if name.value:
+            loaded.name = name.value
         server = Server.build(
             loaded,
             ecfg,
@@ -460,7 +470,9 @@ def main() -> None:
             max_n=max_n.value,
             route_fast_below=route.value,
             warmup=warmup.value,
+            mesh=mesh,
         )
+        loaded.weights = None  # the engines hold theirs (a copy unless they were placed)
         server.start()
         print(f"serving {', '.join(server.loops)} on http://{host.value}:{port.value}/v1", file=sys.stderr)
         try:

@@ -1,10 +1,11 @@
 """Hugging Face checkpoints: `load(dir) -> (cfg, params)` and `save(cfg, params, dir)`, no torch.
 
 Safetensors are read with safetensors' numpy API. Without a mesh a parameter is built on its device one HF
-tensor (layer, expert) at a time. On a mesh (`load(mesh=...)`, `load_sharded` for the main job, a mesh
-across processes included) each distinct block that this process's devices hold is read once, from only the
-slices of the HF tensors it covers (`hf_files.Checkpoint.read_slice`): a host holds its share of the model
-plus one block in flight, never the whole model. `save` writes from every process the tensors it holds,
+tensor (layer, expert) at a time. On a mesh (`load(mesh=...)`, `load(shardings=...)` for exact targets such
+as the engine's, `load_sharded` for the main job, a mesh across processes included) each distinct block
+that this process's devices hold is read once, from only the slices of the HF tensors it covers
+(`hf_files.Checkpoint.read_slice`): a host holds its share of the model plus one block in flight, never the
+whole model. `save` writes from every process the tensors it holds,
 gathering no parameter into one process.
 
 Our parameters stack layers ([L, ...] when `scan_layers`) and experts ([E, ...]); HF stores one tensor
@@ -478,6 +479,7 @@ def load(
     variables=nnx.Param,
     overrides: Mapping[str, Any] | None = None,
     rules: sharding.Rules | None = None,
+    shardings: nnx.State | Mapping[tuple, jax.sharding.Sharding] | None = None,
 ):
     """(cfg, params) of an HF checkpoint: `params` is the model's `nnx.Param` state, each array placed
     with its sharding on `mesh` (by `rules`, default the checkpoint config's `mesh.rules`; the returned
@@ -487,13 +489,26 @@ def load(
     `variables` (an nnx filter) widens what is read, e.g. `(nnx.Param, model.moe.ExpertBias)` for
     DeepSeek-V3's `e_score_correction_bias`, which `load_model` reads too. `overrides`: model fields set
     after config.json is read (`read_config`), e.g. the runtime settings `scan_layers` or `remat` (the layout
-    of the params follows them)."""
-    cfg, params, _ = _load(directory, mesh, dtype, variables, overrides, rules)
+    of the params follows them). `shardings` (instead of `mesh` and `rules`): each parameter's exact
+    target, any sharding (e.g. `inference.engine.weight_shardings`, which replicates a dim that does not
+    divide its axes): a state in the tree of what is read, its variables holding shardings, or a
+    {path: sharding} mapping; read block by block as on a mesh; the returned cfg's mesh is config.json's."""
+    cfg, params, _ = _load(directory, mesh, dtype, variables, overrides, rules, shardings)
     return cfg, params
 
 
-def _load(directory, mesh, dtype, variables, overrides, rules):
+def _targets(shardings) -> dict:
+    """{path: sharding} of `load`'s `shardings` argument."""
+    if not isinstance(shardings, nnx.State):
+        return dict(shardings)
+    value = lambda v: sharding.variable_value(v) if isinstance(v, nnx.Variable) else v
+    return {path: value(v) for path, v in nnx.to_flat_state(shardings)}
+
+
+def _load(directory, mesh, dtype, variables, overrides, rules, shardings=None):
     """`load`, and its `LoadStats`."""
+    if shardings is not None and (mesh is not None or rules is not None):
+        raise ValueError("model.hf.load: give `shardings`, or `mesh` (and `rules`), not both")
     directory = pathlib.Path(directory)
     cfg = read_config(directory, overrides=overrides)
     if dtype is not None:
@@ -519,17 +534,26 @@ def _load(directory, mesh, dtype, variables, overrides, rules):
     try:
         _check(ckpt, params, names, bool(cfg.model.tie_embeddings), mtp, not_read)
         tensor_bytes = sum(ckpt.stored_bytes(n) for p in params for _, n in _elements(p, names))
-        if mesh is None:
-            shardings = {p.path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for p in params}
+        blockwise = mesh is not None or shardings is not None
+        if shardings is not None:
+            targets = _targets(shardings)
+            missing = [p.path for p in params if p.path not in targets]
+            if missing:
+                raise ValueError(
+                    f"model.hf.load: `shardings` has no entry for {len(missing)} parameter(s), e.g. "
+                    f"{'/'.join(map(str, missing[0]))}"
+                )
+        elif mesh is None:
+            targets = {p.path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for p in params}
         else:
             flat = nnx.to_flat_state(sharding.state_shardings(params_state, mesh, cfg.mesh.rules))
-            shardings = {path: s for path, s in flat}
+            targets = {path: s for path, s in flat}
         values = {}
         for p in params:
-            if mesh is None:
-                values[p.path] = _assemble_in_place(ckpt, p, names, shardings[p.path])
+            if not blockwise:
+                values[p.path] = _assemble_in_place(ckpt, p, names, targets[p.path])
             else:
-                values[p.path] = _place_sharded(ckpt, p, names, shardings[p.path])
+                values[p.path] = _place_sharded(ckpt, p, names, targets[p.path])
                 ckpt.close()  # unmaps the files: the pages read stay out of this process's memory
     finally:
         ckpt.close()
@@ -545,12 +569,19 @@ def load_model(
     dtype: str | None = None,
     overrides: Mapping[str, Any] | None = None,
     rules: sharding.Rules | None = None,
+    shardings: nnx.State | Mapping[tuple, jax.sharding.Sharding] | None = None,
 ):
     """(cfg, Transformer) with the checkpoint's weights (and expert selection biases); the arguments as in
     `load`."""
     variables = (nnx.Param, ExpertBias)
     cfg, params = load(
-        directory, mesh=mesh, dtype=dtype, variables=variables, overrides=overrides, rules=rules
+        directory,
+        mesh=mesh,
+        dtype=dtype,
+        variables=variables,
+        overrides=overrides,
+        rules=rules,
+        shardings=shardings,
     )
     graphdef, _, rest = _abstract(cfg, variables)
     return cfg, nnx.merge(graphdef, params, rest)
