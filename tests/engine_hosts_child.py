@@ -7,6 +7,7 @@ the parent's prompts, its devices, and the largest bytes its weights hold on one
     python tests/engine_hosts_child.py PROCESS_ID PORT
 """
 
+import dataclasses
 import json
 import sys
 
@@ -19,7 +20,7 @@ def main(process_id: int, port: int) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
     import engine_hosts_common as common
 
-    from inference import Engine
+    from inference import Engine, NgramDrafter
     from rl import distributed, memory, sampler, train_step, validate
 
     cfg = common.config(fsdp=8)
@@ -43,6 +44,17 @@ def main(process_id: int, port: int) -> None:
         )
         print("RESULT " + json.dumps(out), flush=True)
         del engine, weights
+    # One engine over both again, speculative (n-gram drafts), in a pool of 4 pages (the null page and 3) that
+    # the CROWD prompts overfill as they grow.
+    cfg.rl.engine.mesh.update(processes=0, expert=2, tensor=2)
+    place = sampler.layout(cfg, mesh)
+    small = dataclasses.replace(engine_cfg, num_pages=4, prefix_cache_pages=0, decode_steps=1)
+    weights = place.engine_weights(train_step.weights(state), cfg, small)
+    engine = Engine(cfg, weights, small, draft=NgramDrafter(2), mesh=place.mesh, placed=place.placed)
+    out = common.run(engine, common.CROWD)
+    stats = engine.stats()
+    out.update(per="spec", preemptions=stats.get("preemptions", 0), proposed=stats["proposed_tokens"])
+    print("RESULT " + json.dumps(out), flush=True)
     jax.distributed.shutdown()
 
 

@@ -83,6 +83,7 @@ def reference() -> dict:
     _, state = train_step.init_state(cfg, seed=common.SEED)
     engine = Engine(cfg, train_step.weights(state), validate.engine_config(cfg))
     out = common.run(engine)
+    out["crowd"] = common.run(engine, common.CROWD)
     out["param_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train_step.weights(state)))
     return out
 
@@ -97,7 +98,10 @@ def _same_as_reference(out: dict, ref: dict) -> None:
 def test_engine_across_processes_equals_one_device(reference):
     results = _pair()
     for i, outs in enumerate(results):
-        assert [out["per"] for out in outs] == [0, 1]
+        assert [out["per"] for out in outs] == [0, 1, "spec"]
+        spec = outs.pop()  # speculative, preempting: the same greedy tokens (exact speculative decoding)
+        assert spec["greedy"] == reference["crowd"]["greedy"] and spec["proposed"] > 0
+        assert spec["preemptions"] > 0, spec  # the pool holds 3 pages: a growing sequence evicts another
         for out in outs:
             per = out["per"]
             _same_as_reference(out, reference)
