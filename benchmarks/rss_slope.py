@@ -14,8 +14,11 @@ each sampler layout (`rl.engine.mesh`):
 The slope d(peak RSS) / dP is what a process adds per byte of parameters. A process's share of the
 trainer's arrays is (params + Adam's two moments) / 2 processes = 1.5 P, plus the train step's transient
 gradients (0.5 P) and its engine weights: on fake devices every device of a process lives in its memory, so
-one_e2t2 adds 8 devices x P/4 / 2 processes ~ P and each_data 4 devices x P = 4 P. One JSON line per run and
-one per layout with the slope; the command and load average in each.
+one_e2t2 adds 8 devices x P/4 / 2 processes ~ P and each_data 4 devices x P = 4 P. What the train step's
+XLA temporaries add depends on `model.scan_layers`: unscanned (the test config's setting), every layer's
+FSDP-gathered weights and gradients are live at once; `--scan` sets scan_layers=True and remat=full (the pod
+configs' setting), which gathers one layer at a time. One JSON line per run and one per layout with the
+slope, appended to --out; the command and load average in each.
 """
 
 from __future__ import annotations
@@ -56,10 +59,11 @@ def _param_bytes(d_ff: int) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-def _run(workdir: str, d_ff: int, layout: dict) -> dict:
+def _run(workdir: str, d_ff: int, layout: dict, scan: bool) -> dict:
     port = _port()
     flags = {
         "model.moe.d_ff": d_ff,
+        **({"model.scan_layers": True, "model.remat": "full"} if scan else {}),
         "mesh.shape.data": 1,
         "mesh.shape.fsdp": 8,
         "rl.steps": 1,
@@ -97,20 +101,26 @@ def _run(workdir: str, d_ff: int, layout: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d_ff", type=int, nargs=2, default=[1024, 4096])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--scan", action="store_true", help="model.scan_layers=True, remat=full (the pod configs' setting)"
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "rss_slope.jsonl"))
     args = parser.parse_args()
     command = "python benchmarks/rss_slope.py " + " ".join(sys.argv[1:])
     lines = []
-    for name, layout in LAYOUTS.items():
+    for name in args.layouts:
+        layout = LAYOUTS[name]
         runs = []
         for d_ff in args.d_ff:
             load = os.getloadavg()
             with tempfile.TemporaryDirectory() as tmp:
-                r = _run(os.path.join(tmp, "run"), d_ff, layout)
+                r = _run(os.path.join(tmp, "run"), d_ff, layout, args.scan)
             r.update(
                 bench="rss_slope",
                 layout=name,
                 d_ff=d_ff,
+                scan_layers=args.scan,
                 param_bytes=_param_bytes(d_ff),
                 loadavg=[load, os.getloadavg()],
                 command=command,
@@ -121,6 +131,7 @@ def main() -> None:
         slope = {
             "bench": "rss_slope",
             "layout": name,
+            "scan_layers": args.scan,
             "rss_per_param_byte": (runs[1]["peak_rss_bytes"] - runs[0]["peak_rss_bytes"]) / dp,
             "device_bytes_per_param_byte": (runs[1]["device_bytes"] - runs[0]["device_bytes"]) / dp,
             "param_bytes": [r["param_bytes"] for r in runs],
@@ -129,7 +140,7 @@ def main() -> None:
         }
         print(json.dumps(slope), flush=True)
         lines += runs + [slope]
-    with open(args.out, "w") as f:
+    with open(args.out, "a") as f:
         f.writelines(json.dumps(x) + "\n" for x in lines)
 
 

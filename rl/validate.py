@@ -162,7 +162,8 @@ GSPO_CLIP = (3e-4, 4e-4)
 
 def notes(cfg: ml_collections.ConfigDict) -> list[str]:
     """Settings that run but are probably not what was meant, one line each (the main job prints them at
-    start): GSPO's sequence ratio with token-mean aggregation or PPO-sized clip ranges."""
+    start): GSPO's sequence ratio with token-mean aggregation or PPO-sized clip ranges; unscanned layers on
+    an FSDP mesh."""
     loss, out = cfg.rl.loss, []
     if loss.ratio == "sequence" and (
         loss.aggregation == "token-mean" or max(loss.clip_low, loss.clip_high) >= 0.01
@@ -172,6 +173,14 @@ def notes(cfg: ml_collections.ConfigDict) -> list[str]:
             f"clip_low={loss.clip_low}, clip_high={loss.clip_high}: the published GSPO recipe averages per "
             f"sequence (aggregation='seq-mean-token-mean') and clips to clip_low={GSPO_CLIP[0]}, "
             f"clip_high={GSPO_CLIP[1]} (a sequence's length-normalised ratio moves far less than a token's)"
+        )
+    fsdp = int(cfg.mesh.shape.get("fsdp", 1))
+    if fsdp != 1 and not cfg.model.scan_layers:
+        out.append(
+            f"model.scan_layers=False on mesh.shape.fsdp={fsdp}: the train step gathers every layer's "
+            "weights and gradients at once (XLA's temp per device measured 2.7x the whole model's bytes, "
+            "against 0.5x with model.scan_layers=True and model.remat='full': 8 layers on fsdp 8, "
+            "model.plan --xla); set those two for a model near a device's memory"
         )
     return out
 

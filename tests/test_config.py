@@ -79,3 +79,17 @@ def test_build_refuses_a_mesh_that_does_not_match():
     cfg = _with_mesh(data=2)
     with pytest.raises(model.ConfigError, match="there are 8 devices"):
         model.build(cfg, mesh=sharding.make_mesh({"data": 8}))
+
+
+def test_unscanned_layers_on_an_fsdp_mesh_are_noted():
+    from configs import grpo
+    from rl import validate
+
+    cfg = grpo.get_config("test")  # unrolled layers (scan_layers False), mesh data=-1
+    assert not cfg.model.scan_layers
+    assert not [n for n in validate.notes(cfg) if "scan_layers" in n]
+    cfg.mesh.shape.update(data=1, fsdp=8)
+    (note,) = [n for n in validate.notes(cfg) if "scan_layers" in n]
+    assert note.startswith("model.scan_layers=False on mesh.shape.fsdp=8")
+    cfg.model.scan_layers = True
+    assert not [n for n in validate.notes(cfg) if "scan_layers" in n]
