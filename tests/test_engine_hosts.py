@@ -11,7 +11,6 @@ are checked against the share derived by hand below.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -42,36 +41,31 @@ SHARE_ELEMENTS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pair() -> list[list[dict]]:
+def _pair(tmp_path) -> list[list[dict]]:
     """Each process's results, one per layout."""
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_env.child_flags(4))
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
+    port = xla_env.free_port()
     script = os.path.join(ROOT, "tests", "engine_hosts_child.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(i), str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = []
-    for p in procs:
-        text, _ = p.communicate(timeout=600)
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    procs, logs = [], [tmp_path / f"child.{i}.log" for i in range(2)]
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, script, str(i), str(port)],
+                    cwd=ROOT,
+                    env=xla_env.process_env(4, PYTHONPATH=path),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    results = []
+    for p, log in zip(procs, logs, strict=True):
+        p.wait(timeout=600)
+        text = log.read_text()
         assert p.returncode == 0, text[-4000:]
         lines = [x[len("RESULT ") :] for x in text.splitlines() if x.startswith("RESULT ")]
-        outs.append([json.loads(x) for x in lines])
-    return outs
+        results.append([json.loads(x) for x in lines])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +89,8 @@ def _same_as_reference(out: dict, ref: dict) -> None:
         np.testing.assert_allclose(a, b, atol=LOGP_ATOL, rtol=0)
 
 
-def test_engine_across_processes_equals_one_device(reference):
-    results = _pair()
+def test_engine_across_processes_equals_one_device(reference, tmp_path):
+    results = _pair(tmp_path)
     for i, outs in enumerate(results):
         assert [out["per"] for out in outs] == [0, 1, "spec"]
         spec = outs.pop()  # speculative, preempting: the same greedy tokens (exact speculative decoding)

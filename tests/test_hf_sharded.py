@@ -220,26 +220,14 @@ def test_two_processes_read_their_halves_and_save_between_them(qwen3_moe, tmp_pa
     of the hidden dim) and every vector whole (replicated), init_state moves nothing, and the pair's `save`
     writes files of both processes with one index: the original tensors bit for bit, which transformers
     loads to the original's logits."""
-    import socket
-
     import xla_env
 
     path, ref = qwen3_moe
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = xla_env.free_port()
     out = tmp_path / "exported"
     procs = []
     for i in range(2):
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS=xla_env.child_flags(4),
-            JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, ".jax_cache"),
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            JAX_PROCESS_ID=str(i),
-        )
+        env = xla_env.process_env(4, port, i)
         cmd = [
             sys.executable,
             os.path.abspath(__file__),

@@ -20,7 +20,6 @@ one process started less, and its programs are mostly compiled already.
 
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -33,26 +32,6 @@ from configs import grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(devices: int, **extra) -> dict:
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_env.child_flags(devices),
-        JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, ".jax_cache"),
-        **extra,
-    )
-    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        if k not in extra:
-            env.pop(k, None)
-    return env
 
 
 OVERRIDES = {  # the run of both tests, also as --config flags
@@ -74,12 +53,10 @@ def _command(workdir, steps: int = STEPS, layout: dict | None = None) -> list[st
 
 
 def _start_pair(workdir, log_dir, steps: int = STEPS, layout: dict | None = None) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = xla_env.free_port()
     procs = []
     for i in range(2):
-        env = _env(
-            4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
-        )
+        env = xla_env.process_env(4, port, i)
         log = open(os.path.join(log_dir, f"{os.path.basename(workdir)}.{i}.log"), "ab")  # noqa: SIM115
         procs.append(
             subprocess.Popen(_command(workdir, steps, layout), cwd=ROOT, env=env, stdout=log, stderr=log)
@@ -174,7 +151,7 @@ def test_two_processes_equal_one_and_resume_after_kill_9(tmp_path):
     one = subprocess.run(
         _command(single, layout=ONE_ENGINE),
         cwd=ROOT,
-        env=_env(8),
+        env=xla_env.process_env(8),
         capture_output=True,
         text=True,
         timeout=1500,

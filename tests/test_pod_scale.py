@@ -16,7 +16,6 @@ one dim of each 8 ways, 4 parts per process) and every vector whole (counted fro
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -82,25 +81,12 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pair(args: list[str], log_dir, name: str) -> list[str]:
     """Runs `python -m <args>` as two processes of 4 fake devices; returns their outputs."""
-    port = _free_port()
+    port = xla_env.free_port()
     procs = []
     for i in range(2):
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS=xla_env.child_flags(4),
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            JAX_PROCESS_ID=str(i),
-        )
+        env = xla_env.process_env(4, port, i)
         log = open(log_dir / f"{name}.{i}.log", "w")  # noqa: SIM115
         procs.append(
             subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=log, stderr=log)
