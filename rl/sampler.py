@@ -78,13 +78,18 @@ class Layout:
 
     def engine_weights(self, weights, model_cfg, engine_cfg):
         """`weights` (the trainer's `train_step.weights`, of the model `model_cfg`) for an `Engine(...,
-        mesh=self.mesh, placed=self.placed)` built with `engine_cfg`: one process, as they are (the engine
-        moves them); several, pushed to this process's engine layout."""
+        mesh=self.mesh, placed=self.placed)` to be built with `engine_cfg` (`to_engine`)."""
         from inference import engine as engine_lib
 
         if not self.placed:
             return weights
-        return self.push(weights, engine_lib.weight_shardings(model_cfg, engine_cfg, self.mesh))[0]
+        return self.to_engine(weights, engine_lib.weight_shardings(model_cfg, engine_cfg, self.mesh))
+
+    def to_engine(self, weights, targets):
+        """`weights` for an engine whose weights are placed at `targets` (`Engine.weight_shardings()`):
+        one process, as they are (the engine moves them); several, pushed to this process's engine layout
+        (`push`)."""
+        return self.push(weights, targets)[0] if self.placed else weights
 
     @property
     def placed(self) -> bool:
@@ -183,9 +188,15 @@ def _moved(x, staged, colocated: bool) -> int:
     shape, size = tuple(x.shape), x.dtype.itemsize
     if colocated:
         return moved_bytes(x.sharding, staged, shape, size)
-    per_device = {d: idx for d, idx in staged.devices_indices_map(shape).items()}
-    first = staged.mesh.devices[0]
-    return sum(math.prod(len(range(n)[sl]) for sl, n in zip(per_device[d], shape)) * size for d in first.flat)
+    return _first_copy_elements(staged, shape) * size
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_copy_elements(staged, shape: tuple) -> int:
+    """Elements the stage's first row of copies holds of an array of `shape` (what the engines receive)."""
+    per_device = staged.devices_indices_map(shape)
+    first = staged.mesh.devices[0].flat
+    return sum(math.prod(len(range(n)[sl]) for sl, n in zip(per_device[d], shape)) for d in first)
 
 
 def layout(cfg, trainer) -> Layout:
@@ -214,7 +225,9 @@ def layout(cfg, trainer) -> Layout:
             devices += local[len(local) - n :] if n else mine
         engines.append(make_mesh(_engine_shape(cfg, trainer, len(devices), per), devices))
     group = jax.process_index() // per
-    return Layout(group, tuple(range(group * per, (group + 1) * per)), tuple(engines), trainer)
+    out = Layout(group, tuple(range(group * per, (group + 1) * per)), tuple(engines), trainer)
+    out._stage_mesh  # noqa: B018 - a disaggregated layout that cannot stage is refused now, not at a push
+    return out
 
 
 def _engine_shape(cfg, trainer, n: int, per: int) -> dict[str, int]:

@@ -370,7 +370,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                         for _ in range(rl.draft_train_steps):
                             draft_state, dm = distill(draft_state, draft_batch)
                         step_metrics["draft/cross_entropy"] = float(dm["cross_entropy"])
-                        draft_weights = sampler_weights(draft_state, draft=True)
+                        targets = engine.weight_shardings(draft=True)
+                        draft_weights = place.to_engine(train_step.weights(draft_state), targets)
                         engine.update_draft_params(draft_weights, placed=place.placed)
                     # The replaced states and engine weights go now: nnx's tree flattening (flax's
                     # flatten_to_sequence) leaves reference cycles that would hold them (a second copy on
