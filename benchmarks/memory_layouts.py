@@ -38,10 +38,10 @@ import argparse
 import json
 import math
 import pathlib
-import socket
-import subprocess
 import tempfile
 import time
+
+import hosts  # noqa: E402  (benchmarks/hosts.py)
 
 from configs import grpo, schema
 from configs.schema import ConfigError
@@ -140,52 +140,11 @@ def full_param_bytes(cfg) -> int:
     return 4 * sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(processes: int, devices: int, port: int, index: int) -> dict:
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={devices}"] + kept)
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".jax_cache"))
-    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        env.pop(k, None)
-    if processes > 1:
-        env.update(
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES=str(processes),
-            JAX_PROCESS_ID=str(index),
-        )
-    return env
-
-
 def train(argv: list[str], processes: int, devices: int, logs: pathlib.Path, timeout: float) -> tuple:
     """Runs the main job as `processes` processes; (exit status of the first that failed or 0, logs)."""
-    port, procs, paths = _free_port(), [], []
-    for i in range(processes):
-        paths.append(logs / f"process{i}.log")
-        with open(paths[-1], "w") as log:  # the child writes to its own copy of the descriptor
-            env = _env(processes, devices, port, i)
-            procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline, rc = time.monotonic() + timeout, 0
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            rc = failed[0] if failed else "timeout"
-            break
-        time.sleep(0.5)
-    for p in procs:  # a process stuck in a collective with a failed peer may not end on SIGTERM
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    rc = rc or next((p.returncode for p in procs if p.returncode), 0)
+    procs, paths = hosts.start(argv, processes=processes, devices=devices, log_dir=logs)
+    failed = hosts.wait(procs, timeout)
+    rc = 0 if failed is None else procs[failed].returncode if procs[failed].returncode else "timeout"
     return rc, [path.read_text() for path in paths]
 
 

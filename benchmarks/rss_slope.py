@@ -26,24 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
-import socket
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[0] = ROOT  # the project's packages, not benchmarks/rl.py
+sys.path.insert(0, ROOT)  # the project's packages first: benchmarks/rl.py would shadow `rl`
+
+import hosts  # noqa: E402  (benchmarks/hosts.py)
+
 LAYOUTS = {
     "one_e2t2": {"rl.engine.mesh.processes": 0, "rl.engine.mesh.expert": 2, "rl.engine.mesh.tensor": 2},
     "each_data": {"rl.engine.mesh.processes": 1, "rl.engine.mesh.expert": 1, "rl.engine.mesh.tensor": 1},
 }
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _param_bytes(d_ff: int) -> int:
@@ -60,7 +54,6 @@ def _param_bytes(d_ff: int) -> int:
 
 
 def _run(workdir: str, d_ff: int, layout: dict, scan: bool) -> dict:
-    port = _port()
     flags = {
         "model.moe.d_ff": d_ff,
         **({"model.scan_layers": True, "model.remat": "full"} if scan else {}),
@@ -72,23 +65,10 @@ def _run(workdir: str, d_ff: int, layout: dict, scan: bool) -> dict:
     }
     cmd = [sys.executable, "-m", "rl.train", "--config=configs/grpo.py:test", f"--workdir={workdir}"]
     cmd += ["--eval=false"] + [f"--config.{k}={v}" for k, v in flags.items()]
-    procs = []
-    for i in range(2):
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            JAX_PROCESS_ID=str(i),
-        )
-        log = open(f"{workdir}.{i}.log", "w")  # noqa: SIM115 - the child writes it; closed below
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
-        log.close()
-    for p in procs:
-        p.wait()
-    if any(p.returncode for p in procs):
-        raise SystemExit("\n".join(pathlib.Path(f"{workdir}.{i}.log").read_text()[-3000:] for i in range(2)))
+    procs, logs = hosts.start(cmd, processes=2, devices=4, log_dir=os.path.dirname(workdir))
+    failed = hosts.wait(procs, timeout=3600)
+    if failed is not None:
+        raise SystemExit("\n".join(log.read_text()[-3000:] for log in logs))
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f if '"memory/device_bytes"' in line][-1]
     return {

@@ -57,11 +57,12 @@ average before and after.
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 
 # The repo root first: benchmarks/rl.py would shadow the `rl` package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hosts  # noqa: E402  (benchmarks/hosts.py)
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -72,8 +73,6 @@ import argparse
 import gc
 import importlib
 import json
-import socket
-import subprocess
 import tempfile
 import time
 
@@ -317,21 +316,8 @@ def child(args) -> None:
     jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def hosts(args) -> list[dict]:
+def across_processes(args) -> list[dict]:
     """Starts the children, waits for them (stopping the others when one fails); process 0's lines."""
-    port = _free_port()
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
-    env.update(
-        XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={DEVICES_EACH}"] + flags),
-        JAX_NUM_PROCESSES=str(args.processes),
-    )
     argv = [
         sys.executable,
         os.path.abspath(__file__),
@@ -343,42 +329,12 @@ def hosts(args) -> list[dict]:
     ]
     argv += ["--config", args.config] if args.config else []
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [os.path.join(tmp, f"process{i}.log") for i in range(args.processes)]
-        procs = []
-        for i, path in enumerate(paths):
-            with open(path, "w") as log:  # the child writes to its own copy of the descriptor
-                child_env = dict(env, JAX_PROCESS_ID=str(i))
-                procs.append(
-                    subprocess.Popen(argv, env=child_env, stdout=log, stderr=subprocess.STDOUT, text=True)
-                )
-        failed = _wait(procs, args.timeout)
-        texts = [pathlib.Path(path).read_text() for path in paths]
+        procs, paths = hosts.start(argv, processes=args.processes, devices=DEVICES_EACH, log_dir=tmp)
+        failed = hosts.wait(procs, args.timeout)
+        texts = [path.read_text() for path in paths]
     if failed is not None:
         sys.exit(f"child process {failed} failed (rc {procs[failed].returncode}):\n{texts[failed][-4000:]}")
     return [json.loads(x[len("RESULT ") :]) for x in texts[0].splitlines() if x.startswith("RESULT ")]
-
-
-def _wait(procs: list, timeout: float) -> int | None:
-    """Waits for every child; on the first that fails or runs past `timeout` seconds (its index is
-    returned), the others are stopped: SIGTERM, then SIGKILL (one stuck in a collective may not end)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-        if failed is None and time.monotonic() > deadline:
-            failed = codes.index(None)
-        if failed is not None or all(c == 0 for c in codes):
-            break
-        time.sleep(0.5)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    return failed
 
 
 def main() -> None:
@@ -405,7 +361,7 @@ def main() -> None:
         machine = {"nproc": len(os.sched_getaffinity(0)), "loadavg_start": start}
         machine["devices"] = f"{args.processes} processes x {DEVICES_EACH} fake CPU devices, gloo collectives"
         command = " ".join(["python", os.path.relpath(__file__)] + sys.argv[1:])
-        lines = [{**out, "command": command, "machine": machine} for out in hosts(args)]
+        lines = [{**out, "command": command, "machine": machine} for out in across_processes(args)]
     else:
         lines = one_process(args)
     for out in lines:
