@@ -2,15 +2,15 @@
 resident memory.
 
 Fake CPU devices share one process's memory, so a full copy where a shard belongs costs memory, not an
-error: `device_bytes` counts, per local device, the bytes of every live array's shard on it (a replicated
-array counts once on each device holding it), which is what an accelerator's HBM would hold. `trees`
+error: `device_bytes` counts, per local device, the bytes of every live device buffer on it (a replicated
+array counts once on each device holding it; views sharing a buffer count once), which is what an
+accelerator's HBM would hold. `trees`
 (named trees of arrays: params, optimizer state, sampler weights, KV pages) are counted the same way, each
 as its largest per-device figure, for the planner's prediction (`model.plan_memory`) to be checked against.
 """
 
 from __future__ import annotations
 
-import math
 import resource
 import sys
 from collections import Counter
@@ -18,28 +18,31 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def _shard_bytes(x) -> Counter:
-    """Bytes of `x`'s addressable shards, per device (from the shards' index boxes: no copies made)."""
-    out: Counter = Counter()
-    if x.is_deleted():
-        return out
-    size = x.dtype.itemsize
-    for device, index in x.sharding.addressable_devices_indices_map(x.shape).items():
-        out[device] += math.prod(len(range(n)[sl]) for sl, n in zip(index, x.shape)) * size
-    return out
-
-
 def per_device(arrays: Iterable) -> Counter:
-    """Bytes per local device of `arrays` (each array counted once, however often it is passed)."""
+    """Bytes per local device of `arrays`, each device buffer counted once: an array passed twice, and the
+    single-device views of another array's shards (`addressable_shards[i].data`, which Orbax's saves keep
+    alive) share their buffers."""
     import jax
 
     out: Counter = Counter()
     seen = set()
     for x in arrays:
-        if isinstance(x, jax.Array) and id(x) not in seen:
-            seen.add(id(x))
-            out.update(_shard_bytes(x))
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            continue
+        for shard in x.addressable_shards:
+            buffer = shard.data
+            key = (shard.device, _address(buffer))
+            if key not in seen:
+                seen.add(key)
+                out[shard.device] += buffer.nbytes
     return out
+
+
+def _address(buffer) -> int:
+    try:
+        return buffer.unsafe_buffer_pointer()
+    except Exception:  # noqa: BLE001 - a backend without raw pointers: count the buffer by its object
+        return id(buffer)
 
 
 def device_bytes() -> int:
