@@ -1,6 +1,6 @@
 """Checkpoints that resume exactly: orbax `CheckpointManager` with two items per step.
 
-  state   the `rl.train_step.TrainState` (params, optimizer state, step, typed PRNG key) as sharded arrays,
+  state   the `rl.train_state.TrainState` (params, optimizer state, step, typed PRNG key) as sharded arrays,
           `ocp.args.StandardSave` / `StandardRestore`; the key is stored as its `key_data` and re-wrapped
   meta    JSON (`ocp.args.JsonSave` / `JsonRestore`): data iterator states, curriculum state, policy
           version, RNG seed, ... whatever the trainer needs to continue as if never stopped
@@ -92,9 +92,9 @@ def _config_hash(summary: dict[str, Any]) -> str:
 
 def check_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raises `ConfigMismatch` naming every field that differs (or exists on one side only), but for the
-    runtime fields (`model.hf_config.RUNTIME_FIELDS`: how the model runs and trains, e.g. remat or the
+    runtime fields (`model.io.hf_config.RUNTIME_FIELDS`: how the model runs and trains, e.g. remat or the
     expert exchange, not what its parameters are), which a resumed run may change."""
-    from model.hf_config import RUNTIME_FIELDS
+    from model.io.hf_config import RUNTIME_FIELDS
 
     missing = object()
     diffs = [

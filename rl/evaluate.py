@@ -287,10 +287,10 @@ def restore_state(
     for `cfg`, the run's config (the model config rl.train checkpoints with: a checkpoint of another model
     is refused, by field), on `mesh` (the trainer's, `rl.distributed.trainer_mesh`) or one device.
     `rl.export` writes the state as a Hugging Face checkpoint."""
-    from rl import checkpoint, train_step
+    from rl import checkpoint, train_state
     from rl import train as train_lib
 
-    _, state = train_step.init_state(cfg, mesh=mesh, seed=cfg.rl.seed)
+    _, state = train_state.init_state(cfg, mesh=mesh, seed=cfg.rl.seed)
     ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
     ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model, mesh=mesh)
     try:
@@ -335,8 +335,8 @@ def run(
     # The pool forks its workers before JAX creates any array (envs/pool.py).
     with EnvPool(rl.env_workers, domains=env_kwargs, timeout_s=rl.env_timeout_s) as pool:
         from inference import Engine
-        from model.tokenizer import load_tokenizer
-        from rl import rollout, sampler, train_step, validate
+        from model.io.tokenizer import load_tokenizer
+        from rl import rollout, sampler, train_state, validate
 
         tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
         tasks = data.heldout_tasks(cfg, tokenizer)
@@ -344,7 +344,7 @@ def run(
         # The main job's sampler layout (rl.engine.mesh); with the selection biases: the engine refuses a
         # sigmoid-router model's params without them.
         place, engine_cfg = sampler.layout(cfg, mesh), validate.engine_config(cfg)
-        weights = place.engine_weights(train_step.weights(state), cfg, engine_cfg)
+        weights = place.engine_weights(train_state.weights(state), cfg, engine_cfg)
         del state  # the engine's copy is what evaluates
         engine = Engine(cfg, weights, engine_cfg, mesh=place.mesh, placed=place.placed)
         sampling = rollout.sampling_params(rl, tokenizer, seed=seed)

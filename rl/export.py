@@ -1,12 +1,12 @@
 """python -m rl.export --workdir=runs/tiny --out=exported [--step=N]
 
 A run's train state (its latest checkpoint, or `--step`) as a Hugging Face checkpoint that transformers'
-`from_pretrained` and `model.hf.load` read:
+`from_pretrained` and `model.io.hf.load` read:
 
-- the weights by `model.hf.save`: the params, the sigmoid routers' selection biases
+- the weights by `model.io.hf.save`: the params, the sigmoid routers' selection biases
   (`e_score_correction_bias`, from `TrainState.model_state`) and the multi-token-prediction modules;
 - config.json: the rl.init_from checkpoint's, updated with the run's model fields (the run's `hf` block, kept
-  in `<workdir>/config.json`); a run of our own model gets its `model.hf_config.default_architecture`;
+  in `<workdir>/config.json`); a run of our own model gets its `model.io.hf_config.default_architecture`;
 - the tokenizer files, when the run used a Hugging Face tokenizer directory (rl.tokenizer, which
   rl.init_from sets to the checkpoint's when it has one).
 
@@ -14,8 +14,8 @@ The run's config and checkpoint are read as `rl.evaluate` reads them (`load_run_
 onto the trainer's mesh (the run's mesh.shape over this job's devices; one device where a single process's
 devices do not fit it). Across processes every process runs the command (`rl.distributed`, as `rl.train`)
 with --out on a file system they share: no process gathers the model, each writes the safetensors files of
-the tensors it holds (`model.hf.save`), process 0 the index, config.json and the tokenizer files.
-A model no supported format holds (`model.hf_config.to_hf`), or an --out that is a file or a non-empty
+the tensors it holds (`model.io.hf.save`), process 0 the index, config.json and the tokenizer files.
+A model no supported format holds (`model.io.hf_config.to_hf`), or an --out that is a file or a non-empty
 directory, is refused before the checkpoint is read; --out appears complete or not at all.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from configs.errors import UserError, require
 
-# What `model.tokenizer.HFTokenizer.from_dir` reads (generation_config.json: extra stop ids), and the slow
+# What `model.io.tokenizer.HFTokenizer.from_dir` reads (generation_config.json: extra stop ids), and the slow
 # tokenizer files transformers reads when tokenizer.json is absent.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -81,8 +81,8 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     a new directory beside `out` and renamed to it at the end; on any error nothing is left. Across processes
     every process calls it alike (see the module docstring) and returns once `out` is complete."""
     require("safetensors", "python -m rl.export (Hugging Face checkpoints)")
-    from model import hf, hf_config
-    from rl import distributed, evaluate, train_step
+    from model.io import hf, hf_config
+    from rl import distributed, evaluate, train_state
 
     cfg = cfg if cfg is not None else evaluate.load_run_config(workdir)
     try:
@@ -98,7 +98,7 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     tokenizer = cfg.rl.tokenizer
     has_tokenizer = bool(tokenizer) and os.path.isdir(tokenizer)
     with _staged(out) as staging:
-        hf.save(cfg, train_step.weights(state), staging)
+        hf.save(cfg, train_state.weights(state), staging)
         if has_tokenizer and distributed.is_primary():
             copy_tokenizer(tokenizer, staging)
     return {"step": meta.get("step"), "tokenizer_files": tokenizer_files(tokenizer) if has_tokenizer else []}

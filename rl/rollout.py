@@ -30,7 +30,7 @@ import numpy as np
 
 from envs import EnvPool, Score, Task, registry
 from inference.sampling import SamplingParams
-from model.tokenizer import Tokenizer
+from model.io.tokenizer import Tokenizer
 from rl import grpo
 
 EXCLUDED_STATUSES = ("env_error", "crash", "timeout")  # the environment's fault: never a reward of 0
@@ -431,7 +431,7 @@ def make_batch(
     on padding rows.
 
     `window` > 0: the trainer computes logits for that many positions per row from its first trained token
-    on (`rl.train_step.logit_window`); a row with more tokens after its prompt is an error.
+    on (`rl.losses.logit_window`); a row with more tokens after its prompt is an error.
 
     `routing=True` adds `expert_indices` [L_moe, B, T, k] int32: each sample's recorded routing
     (`Sample.expert_indices`) at its token positions, and experts 0..k-1 at padding (positions after a

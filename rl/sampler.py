@@ -77,7 +77,7 @@ class Layout:
         return [s for s in samples if s.group in mine]
 
     def engine_weights(self, weights, model_cfg, engine_cfg):
-        """`weights` (the trainer's `train_step.weights`, of the model `model_cfg`) for an `Engine(...,
+        """`weights` (the trainer's `train_state.weights`, of the model `model_cfg`) for an `Engine(...,
         mesh=self.mesh, placed=self.placed)` to be built with `engine_cfg` (`to_engine`)."""
         from inference import engine as engine_lib
 

@@ -65,17 +65,19 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
 
     import envs
     from envs import qa
-    from model.tokenizer import load_tokenizer
+    from model.io.tokenizer import load_tokenizer
     from rl import (
         checkpoint,
         curriculum,
         data,
         distributed,
+        losses,
         metrics,
         pipeline,
         rollout,
         run_log,
         sampler,
+        train_state,
         train_step,
         validate,
     )
@@ -92,7 +94,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
     # ---- Processes and the trainer's mesh: every host runs this same program (rl.distributed) ------------
     _, processes = distributed.initialize()
     mesh = distributed.trainer_mesh(cfg)
-    validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
+    validate.check_mesh(cfg, processes, batch_shards=train_state.batch_shard_count(cfg, mesh))
     place = sampler.layout(cfg, mesh)  # rl.engine.mesh (engines per process or over several), checked now
     primary = distributed.is_primary()  # process 0 alone writes metrics, samples, evaluations, the table
     say = run_log.say if primary else lambda message: None
@@ -148,7 +150,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         draft_cfg = validate.draft_model_config(cfg) if rl.engine.draft == "model" else None
         # rl.init_from starts a new run; a resumed one restores its own state
         pretrained = _pretrained(cfg, mesh, say, logger) if meta is None and rl.init_from else {}
-        model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed, **pretrained)
+        model_def, state = train_state.init_state(cfg, mesh=mesh, seed=rl.seed, **pretrained)
         say(
             f"model: {sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.2f}M parameters on "
             f"{mesh.size} device(s), mesh {dict(mesh.shape)}"
@@ -157,7 +159,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             (None, None) if draft_cfg is None else _sft_state(draft_cfg, rl.seed, mesh=mesh)
         )
         ref_params = (
-            train_step.reference_weights(state, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
+            train_state.reference_weights(state, rl.reference_dtype) if rl.loss.kl_kind != "none" else None
         )
         start_step, version, sft_done = 0, 0, 0
         if meta is None and rl.sft.steps:
@@ -195,11 +197,11 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 return run_log.stopped(
                     say, workdir, handle, f"SFT step {sft_done} of {rl.sft.steps}", steps=0
                 )
-            model_def, state = train_step.init_state(
+            model_def, state = train_state.init_state(
                 cfg, mesh=mesh, seed=rl.seed, params=state.params, model_state=state.model_state
             )
             if ref_params is not None:
-                ref_params = train_step.reference_weights(state, rl.reference_dtype)
+                ref_params = train_state.reference_weights(state, rl.reference_dtype)
             ckpt.save(0, _pack(state, ref_params, draft_state), source.state(0, 0), force=True)
         if sft_only:
             ckpt.wait()
@@ -213,7 +215,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         # One process: the trainer's arrays as they are (the engine moves them); several: one jitted push
         # to every engine's layout at once (rl.sampler).
         sampler_weights = lambda s, draft=False: place.engine_weights(  # noqa: E731
-            train_step.weights(s), draft_cfg if draft else cfg, engine_cfg
+            train_state.weights(s), draft_cfg if draft else cfg, engine_cfg
         )
         engine = Engine(
             cfg,
@@ -228,8 +230,8 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         steps_left = start_step < rl.steps
         push_weights = _weight_sync(cfg, engine, place, processes)
         if steps_left and rl.weight_sync_delta >= 0 and processes == 1:  # the delta program compiles now:
-            push_weights(train_step.weights(state))  # the first push sends every leaf,
-            push_weights(train_step.weights(state))  # the second runs the delta program (nothing changed)
+            push_weights(train_state.weights(state))  # the first push sends every leaf,
+            push_weights(train_state.weights(state))  # the second runs the delta program (nothing changed)
         engine.version = version
         update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
         rows_here = cfg.batch_size // processes
@@ -321,7 +323,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                     rows=rows_here,
                     routing=rl.routing_replay,
                     domains=tuple(rl.domains) if rl.gradient_projection else None,
-                    window=train_step.logit_window(cfg, cfg.seq_len),
+                    window=losses.logit_window(cfg, cfg.seq_len),
                 )
             versions = [s.version for s in samples if s.version is not None]
             return pipeline.RolloutBatch(
@@ -360,18 +362,18 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
                 if item.batch is None:  # no group with a reward signal: no update this step
                     step_metrics["train/skipped"] = 1.0
                 else:
-                    shardings = train_step.batch_shardings(cfg, tuple(item.batch), mesh, cfg.batch_size)
-                    batch = distributed.global_batch(item.batch, shardings, train_step.ROW_AXIS)
+                    shardings = train_state.batch_shardings(cfg, tuple(item.batch), mesh, cfg.batch_size)
+                    batch = distributed.global_batch(item.batch, shardings, train_state.ROW_AXIS)
                     state, update_metrics = update(state, batch, ref_params=ref_params)
                     step_metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
-                    step_metrics.update(push_weights(train_step.weights(state)))  # with the selection biases
+                    step_metrics.update(push_weights(train_state.weights(state)))  # with the selection biases
                     if distill is not None:
-                        draft_batch = {k: batch[k] for k in train_step.SFT_KEYS}
+                        draft_batch = {k: batch[k] for k in train_state.SFT_KEYS}
                         for _ in range(rl.draft_train_steps):
                             draft_state, dm = distill(draft_state, draft_batch)
                         step_metrics["draft/cross_entropy"] = float(dm["cross_entropy"])
                         targets = engine.weight_shardings(draft=True)
-                        draft_weights = place.to_engine(train_step.weights(draft_state), targets)
+                        draft_weights = place.to_engine(train_state.weights(draft_state), targets)
                         engine.update_draft_params(draft_weights, placed=place.placed)
                     # The replaced states and engine weights go now: nnx's tree flattening (flax's
                     # flatten_to_sequence) leaves reference cycles that would hold them (a second copy on
@@ -549,7 +551,7 @@ def _pretrained(cfg, mesh=None, say=None, logger=None) -> dict:
     checkpoint, laid out by cfg's runtime model fields and read slice by slice straight into the trainer's
     shardings on `mesh` (each process reads only what its devices hold; init_state then moves nothing), or
     onto the default device. The bytes each process read are said and logged (`init_from/*`, step 0)."""
-    from model import hf
+    from model.io import hf
     from rl import distributed
 
     params, model_state, stats = hf.load_sharded(cfg.rl.init_from, cfg, mesh)
@@ -572,11 +574,11 @@ def _pretrained(cfg, mesh=None, say=None, logger=None) -> dict:
 
 def _sft_state(cfg, seed: int, *, params=None, model_state=None, mesh=None):
     """(model def, train state) with the SFT optimizer (rl.sft.optim over rl.optim)."""
-    from rl import train_step
+    from rl import train_state
 
     sft_cfg = ml_collections.ConfigDict(cfg.to_dict())
     sft_cfg.rl.optim.update(dict(cfg.rl.sft.optim))
-    return train_step.init_state(sft_cfg, mesh=mesh, seed=seed, params=params, model_state=model_state)
+    return train_state.init_state(sft_cfg, mesh=mesh, seed=seed, params=params, model_state=model_state)
 
 
 def _sft(cfg, state, draft, source, tokenizer, logger, handle, *, start, resumed, env_kwargs, mesh):
@@ -639,7 +641,7 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     compiles nothing; an error in either is raised here. On a quiet 2-core CPU the overlap saved 0-1 s of
     ~8.4 s (`benchmarks/grpo_ab.py`: XLA:CPU's compiles already use both cores); it is for hosts with more
     cores than one compile keeps busy."""
-    from rl import distributed, rollout, train_step
+    from rl import distributed, rollout, train_state
 
     rl = cfg.rl
     local = rollout.empty_batch(
@@ -648,7 +650,7 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
         routing=(engine.num_moe_layers, cfg.model.moe.top_k) if rl.routing_replay else None,
         domains=tuple(rl.domains) if rl.gradient_projection else None,
     )
-    shardings = train_step.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
+    shardings = train_state.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
     failed: list[BaseException] = []
 
     def warm_engine() -> None:
@@ -660,7 +662,7 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     thread = threading.Thread(target=warm_engine, name="engine-warmup", daemon=True)
     thread.start()
     try:
-        batch = distributed.global_batch(local, shardings, train_step.ROW_AXIS)
+        batch = distributed.global_batch(local, shardings, train_state.ROW_AXIS)
         update.compile(state, batch, ref_params=ref_params)
     finally:
         thread.join()
@@ -688,7 +690,7 @@ def _pack(state, ref_params, draft_state):
 def checkpoint_target(cfg, state, meta: dict):
     """The restore target of a checkpoint with `meta`: the train state, with the reference and the draft
     state when the run keeps them (shapes from `cfg`; values are placeholders)."""
-    from rl import train_step, validate
+    from rl import train_state, validate
 
     rl = cfg.rl
     in_sft = meta.get("sft_step", rl.sft.steps) < rl.sft.steps
@@ -698,7 +700,7 @@ def checkpoint_target(cfg, state, meta: dict):
     ref = (
         None
         if in_sft or rl.loss.kl_kind == "none"
-        else train_step.reference_weights(state, rl.reference_dtype)
+        else train_state.reference_weights(state, rl.reference_dtype)
     )
     return _pack(state, ref, draft_state)
 

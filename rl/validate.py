@@ -64,14 +64,15 @@ def draft_model_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigD
 
 def init_from_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The config the main job runs with rl.init_from (cfg itself when it is ""): a copy whose `model` is
-    the checkpoint's (`model.hf.read_config`, keeping this config's `model.hf_config.RUNTIME_FIELDS`), with
-    `hf` (its architecture and config.json, what `rl.export` writes back) and rl.tokenizer set to the
-    directory when that is "" and the directory holds a tokenizer.json."""
+    the checkpoint's (`model.io.hf.read_config`, keeping this config's
+    `model.io.hf_config.RUNTIME_FIELDS`), with `hf` (its architecture and config.json, what `rl.export`
+    writes back) and rl.tokenizer set to the directory when that is "" and the directory holds a
+    tokenizer.json."""
     path = cfg.rl.init_from
     if not path:
         return cfg
     require("safetensors", "rl.init_from (a Hugging Face checkpoint)")
-    from model import hf, hf_config
+    from model.io import hf, hf_config
 
     _check(
         os.path.isdir(path),
@@ -103,7 +104,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     from configs import schema
     from envs import registry
     from model import config as model_config
-    from rl import curriculum, grpo, train_step
+    from rl import curriculum, grpo, train_state
 
     schema.check(cfg.rl, grpo_config.RL, "rl")
     cfg = init_from_config(cfg)
@@ -124,10 +125,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"must divide a mini-batch of {per} rows (rl.mini_batches={rl.mini_batches})",
     )
     grpo.validate_loss_config(rl.loss)
-    train_step._check_optim(rl.optim)
+    train_state.check_optim(rl.optim)
     sft_optim = ml_collections.ConfigDict(rl.optim.to_dict())
     sft_optim.update(rl.sft.optim.to_dict())
-    train_step._check_optim(sft_optim, "rl.optim (with rl.sft.optim)")
+    train_state.check_optim(sft_optim, "rl.optim (with rl.sft.optim)")
     _check(
         not rl.routing_replay or cfg.model.moe.num_experts > 0,
         "routing_replay",
