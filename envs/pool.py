@@ -36,7 +36,8 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from envs import registry, sandbox_root
+from envs import registry
+from envs.sandbox import workroot
 from envs.base import Environment, Episode, Score, Task
 
 KINDS = ("score", "episode")
@@ -148,8 +149,8 @@ def _close_envs(envs: dict[str, Environment]) -> None:
             env.close()
     # A worker leaves through os._exit (multiprocessing's, or ours on SIGTERM), which runs no exit handlers:
     # the sandboxes' private root goes now (a worker killed outright leaves its root to the next process
-    # that makes one, `envs.sandbox_root.remove_abandoned`).
-    sandbox_root.remove()  # a no-op where no sandbox was made
+    # that makes one, `envs.sandbox.workroot.remove_abandoned`).
+    workroot.remove()  # a no-op where no sandbox was made
 
 
 def _exit_now(envs: dict[str, Environment], code: int) -> None:

@@ -46,7 +46,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from envs import qa_escape, registry, sandbox
+from envs import qa_escape, registry
+from envs.sandbox import box as sandbox
 from envs.base import Environment, Score, Task
 
 CODE_DOMAINS = ("code", "terminal")

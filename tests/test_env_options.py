@@ -8,7 +8,8 @@ import json
 import ml_collections
 import pytest
 
-from envs import EnvPool, registry, sandbox
+from envs import EnvPool, registry
+from envs.sandbox import box as sandbox
 from envs.domains.math_env import MathEnvironment
 from rl import data
 

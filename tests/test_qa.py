@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from envs import qa, qa_escape, registry, sandbox
+from envs import qa, qa_escape, registry
+from envs.sandbox import box as sandbox
 from envs.base import Score, SingleTurnEnvironment, Task
 
 REPO = __file__.rsplit("/tests/", 1)[0]

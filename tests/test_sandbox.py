@@ -17,9 +17,10 @@ import time
 
 import pytest
 
-from envs import sandbox, sandbox_root
-from envs.sandbox import Limits, Sandbox, isolation_level, run_once
-from envs.sandbox_child import AHEAD
+from envs.sandbox import box as sandbox
+from envs.sandbox import workroot
+from envs.sandbox.box import Limits, Sandbox, isolation_level, run_once
+from envs.sandbox.child import AHEAD
 
 LEVEL = isolation_level()
 # The detected level, and the no-namespace level forced, for the tests about cleanup and process limits.
@@ -406,7 +407,7 @@ def test_a_run_whose_work_dir_is_gone_fails_the_same_warm_and_cold():
     outcomes = []
     for warm in (True, False):
         box = Sandbox(zygote=warm)
-        sandbox_root.rmtree(box.workdir)
+        workroot.rmtree(box.workdir)
         result = box.run(["true"])
         outcomes.append((result.returncode, "sandbox: setup failed" in result.stderr))
         box.close()

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from envs import qa_escape, registry, sandbox
-from envs.sandbox import Limits, Sandbox
+from envs import qa_escape, registry
+from envs.sandbox import box as sandbox
+from envs.sandbox.box import Limits, Sandbox
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LEVEL = sandbox.isolation_level()
@@ -210,7 +211,8 @@ def test_pool_start_fails_below_the_mount_level():
 # The unprivileged path: the probes again, run by a process of an ordinary uid (as root, through setpriv).
 _UNPRIVILEGED = """
 import json, sys
-from envs import qa_escape, sandbox
+from envs import qa_escape
+from envs.sandbox import box as sandbox
 limits = sandbox.Limits(**json.loads(sys.argv[1]))
 out = {"isolation": sandbox.isolation().to_json(), "findings": {}}
 for name, source in qa_escape.ESCAPE_PROBES.items():

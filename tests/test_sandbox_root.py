@@ -1,7 +1,7 @@
-"""envs.sandbox_root: a process's private root of sandbox work dirs goes when the process goes, by whatever
-way it goes (normal exit, a pool worker's os._exit, kill -9), and never while its process lives, nor when a
-forked child of it exits. Every process here runs with TMPDIR in the test's own dir, so other tests' roots
-are never in view."""
+"""envs.sandbox.workroot: a process's private root of sandbox work dirs goes when the process goes, by
+whatever way it goes (normal exit, a pool worker's os._exit, kill -9), and never while its process lives,
+nor when a forked child of it exits. Every process here runs with TMPDIR in the test's own dir, so other
+tests' roots are never in view."""
 
 import os
 import pathlib
@@ -14,19 +14,19 @@ import textwrap
 
 import pytest
 
-from envs import sandbox_root
+from envs.sandbox import workroot
 
 ROOT = pathlib.Path(__file__).parent.parent
 
 HOLDER = textwrap.dedent(
     """
     import os, sys
-    from envs import sandbox_root
-    from envs.sandbox import Sandbox
+    from envs.sandbox import workroot
+    from envs.sandbox.box import Sandbox
     box = Sandbox()
     pid = os.fork()
     if pid == 0:  # a forked child that makes its own root and exits normally (its exit handlers run)
-        print(sandbox_root.get(), flush=True)
+        print(workroot.get(), flush=True)
         sys.exit(0)
     os.waitpid(pid, 0)
     print(box.workdir if box.workdir.exists() else "removed", flush=True)
@@ -36,7 +36,7 @@ HOLDER = textwrap.dedent(
 
 
 def _roots(tmp: pathlib.Path) -> set[pathlib.Path]:
-    return set(tmp.glob(sandbox_root.PREFIX + "*"))
+    return set(tmp.glob(workroot.PREFIX + "*"))
 
 
 def _start_holder(tmp: pathlib.Path) -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
@@ -56,13 +56,13 @@ def test_roots_of_live_processes_stay_and_a_killed_ones_root_is_removed(tmp_path
     # The forked child's exit removed its own root, not the one its parent made before the fork.
     assert not killed_child_root.exists() and killed_child_root.parent == tmp_path
     assert _roots(tmp_path) == {killed_root, alive_root}
-    assert sandbox_root.remove_abandoned(str(tmp_path)) == []  # both holders alive: nothing taken
+    assert workroot.remove_abandoned(str(tmp_path)) == []  # both holders alive: nothing taken
 
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert killed_root.exists()  # no exit handler ran
-    assert sandbox_root.remove_abandoned(str(tmp_path)) == [killed_root]
-    assert _roots(tmp_path) == {alive_root} and (alive_root / sandbox_root.LOCK).exists()
+    assert workroot.remove_abandoned(str(tmp_path)) == [killed_root]
+    assert _roots(tmp_path) == {alive_root} and (alive_root / workroot.LOCK).exists()
 
     alive.stdin.close()  # a normal exit removes the root
     assert alive.wait(timeout=30) == 0
@@ -126,28 +126,28 @@ def test_pool_workers_leave_no_root_however_they_end(open_tmp):
 def _abandoned_looking(path: pathlib.Path) -> pathlib.Path:
     """A dir with a lock file nobody holds: what a killed process leaves."""
     path.mkdir()
-    (path / sandbox_root.LOCK).touch()
+    (path / workroot.LOCK).touch()
     return path
 
 
 def test_a_symlink_or_a_dir_without_a_lock_is_never_removed(tmp_path):
     """A dir named like a root but without a lock (a root being made) and a symlink named like a root,
     even to a dir with a free lock."""
-    unlocked = tmp_path / (sandbox_root.PREFIX + "unlocked")
+    unlocked = tmp_path / (workroot.PREFIX + "unlocked")
     unlocked.mkdir()
     target = _abandoned_looking(tmp_path / "elsewhere")
-    (tmp_path / (sandbox_root.PREFIX + "link")).symlink_to(target)
-    assert sandbox_root.remove_abandoned(str(tmp_path)) == []
-    assert unlocked.exists() and (target / sandbox_root.LOCK).exists()
-    mine = _abandoned_looking(tmp_path / (sandbox_root.PREFIX + "mine"))
-    assert sandbox_root.remove_abandoned(str(tmp_path)) == [mine]
+    (tmp_path / (workroot.PREFIX + "link")).symlink_to(target)
+    assert workroot.remove_abandoned(str(tmp_path)) == []
+    assert unlocked.exists() and (target / workroot.LOCK).exists()
+    mine = _abandoned_looking(tmp_path / (workroot.PREFIX + "mine"))
+    assert workroot.remove_abandoned(str(tmp_path)) == [mine]
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="making a dir of another uid needs root")
 def test_a_dir_of_another_uid_is_never_removed(tmp_path):
     """Sandboxed code runs as nobody; at the levels that show the host's /tmp it could plant a dir named
     like an abandoned root there. The host never removes it."""
-    planted = _abandoned_looking(tmp_path / (sandbox_root.PREFIX + "planted"))
+    planted = _abandoned_looking(tmp_path / (workroot.PREFIX + "planted"))
     os.chown(planted, 65534, 65534)
-    assert sandbox_root.remove_abandoned(str(tmp_path)) == []
-    assert (planted / sandbox_root.LOCK).exists()
+    assert workroot.remove_abandoned(str(tmp_path)) == []
+    assert (planted / workroot.LOCK).exists()

@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from envs import registry, sandbox
+from envs import registry
+from envs.sandbox import box as sandbox
 from envs.base import Task
 from envs.domains import terminal_env
 

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from envs import sandbox
+from envs.sandbox import box as sandbox
 from envs.base import Score, SingleTurnEnvironment, Task
 
 LEVELS = (0, 1, 2, 3)

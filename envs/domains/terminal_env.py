@@ -32,7 +32,7 @@ import shutil
 import stat
 from typing import Any
 
-from envs import sandbox
+from envs.sandbox import box as sandbox
 from envs.base import Environment, Episode, Score, Task
 
 LEVELS = (0, 1, 2, 3)

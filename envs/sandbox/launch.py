@@ -1,15 +1,15 @@
 """Host side of one sandboxed run: launch (zygote or cold interpreter), pump the pipes, keep the wall limit.
 
 `execute(spec, stdin, wall_s=..., output_bytes=..., use_zygote=...)` -> `Finished`. The spec is built by
-`envs.sandbox`; the child side is `envs/sandbox_child.py`.
+`envs.sandbox`; the child side is `envs/sandbox/child.py`.
 
-Launch: a zygote (`sandbox_zygote.py`, stdlib only, started once per process with an empty
+Launch: a zygote (`zygote.py`, stdlib only, started once per process with an empty
 environment) forks the children of runs and, where the spec allows (`spec["prep"]["ahead"]`), keeps the
 next child made ahead: its namespaces and mounts exist before the request, which then only brings what is
-the run's own (`sandbox_child`'s docstring). The child's stdio, its status pipe and its events pipe come
+the run's own (`child`'s docstring). The child's stdio, its status pipe and its events pipe come
 over a Unix socket (SCM_RIGHTS) and its wait status comes back on the status pipe. `prepare(spec)` asks for
 a child made ahead without a run. Without a zygote (`use_zygote=False`), each run starts the same child
-code in a fresh interpreter (`sandbox_child.py --exec`): the cold path, with identical results.
+code in a fresh interpreter (`child.py --exec`): the cold path, with identical results.
 
 Collect: stdout and stderr read concurrently, each kept up to `output_bytes` (the rest read and dropped,
 `truncated`); at `wall_s` the run's process group gets SIGTERM, then SIGKILL `_TERM_GRACE_S` later.
@@ -33,10 +33,10 @@ import sys
 import threading
 import time
 
-from envs.sandbox_child import recv_message, send_message
+from envs.sandbox.messages import recv_message, report, send_message
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
-ZYGOTE = os.path.join(os.path.dirname(CHILD), "sandbox_zygote.py")
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
+ZYGOTE = os.path.join(os.path.dirname(CHILD), "zygote.py")
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # the zygote needs nothing of the host's
 _TERM_GRACE_S = 0.2  # after SIGTERM at the wall limit, SIGKILL follows this much later
 _DRAIN_S = 1.0  # after the command exits, how long to keep reading pipes a straggler still holds
@@ -51,7 +51,7 @@ class Finished:
     truncated: bool
     timed_out: bool
     wall_s: float
-    events: list[dict]  # what the run's supervisor reported (sandbox_child.EVENTS_FD)
+    events: list[dict]  # what the run's supervisor reported (messages.EVENTS_FD)
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -60,7 +60,7 @@ def _kill_group(pgid: int, sig: int) -> None:
 
 
 class _Zygote:
-    """The host's side of the zygote (`sandbox_zygote.py`): a socket for requests, and the children made
+    """The host's side of the zygote (`zygote.py`): a socket for requests, and the children made
     ahead that the zygote has handed over (their pid and channel, by the prep they were made from), to
     which a run goes straight from here."""
 
@@ -177,13 +177,6 @@ def zygote_pid() -> int | None:
     return _ZYGOTE.proc.pid if _ZYGOTE is not None and _ZYGOTE.alive() else None
 
 
-def _report(fd: int, number: int, close: bool = False) -> None:
-    with contextlib.suppress(OSError):
-        os.write(fd, f"{number}\n".encode())
-    if close:
-        os.close(fd)
-
-
 def _launch_cold(spec: dict, fds: list[int]) -> int:
     """Runs the child code in a fresh interpreter; a thread reports its wait status like the zygote does."""
     spec_r, spec_w = os.pipe()
@@ -201,7 +194,7 @@ def _launch_cold(spec: dict, fds: list[int]) -> int:
             data = data[os.write(spec_w, data) :]
     os.close(spec_w)
     status_fd = os.dup(fds[3])
-    reporter = threading.Thread(target=lambda: _report(status_fd, os.waitpid(pid, 0)[1], close=True))
+    reporter = threading.Thread(target=lambda: report(status_fd, os.waitpid(pid, 0)[1], close=True))
     reporter.daemon = True
     reporter.start()
     return pid

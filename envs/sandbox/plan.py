@@ -11,7 +11,7 @@ A plan is a list of operations, each a JSON list, applied in order under an empt
     ["hide", path]          an empty read-only tmpfs over `path` (a private place under a read-only dir)
     ["rw", path]            the host's `path`, writable (the work dir)
 
-`envs.sandbox_mounts` mounts the plan itself (own backend); `bwrap_argv` turns it into bubblewrap options.
+`envs.sandbox.mounts` mounts the plan itself (own backend); `bwrap_argv` turns it into bubblewrap options.
 From the host, a run sees /usr (and the /bin, /lib... links or dirs), a copy of the /etc entries in `ETC`
 (made once per process by `stage_etc`: one mount instead of one per entry), and its
 work dir; nothing else of the host's filesystem: no /home, /root, /opt, /srv, /var, /run, /mnt, no other
@@ -65,13 +65,13 @@ def system_ops(etc: str) -> list[list]:
 
 def private_paths() -> list[str]:
     """Host places a run must never see: this project, the host user's home, /root, /home."""
-    project = pathlib.Path(__file__).resolve().parent.parent
+    project = pathlib.Path(__file__).resolve().parents[2]  # envs/sandbox/plan.py in the project
     return sorted({str(project), os.path.expanduser("~"), "/root", "/home"})
 
 
 def base_ops(tmp_bytes: int, etc: str, private: list[str]) -> list[list]:
     """The plan but the work dir: the same for every run with these tmpfs sizes and this /etc, so the own
-    backend makes it ahead of the run (`envs.sandbox_child`) and adds the work dir when the run comes."""
+    backend makes it ahead of the run (`envs.sandbox.child`) and adds the work dir when the run comes."""
     ops = system_ops(etc)
     shown = [op[1] for op in ops if op[0] == "ro" and len(op) == 2 and os.path.isdir(op[1])]
     ops += [["dev"], ["proc"], *(["tmpfs", path, tmp_bytes] for path in TMPFS)]

@@ -1,7 +1,7 @@
 """The mount namespace of a run at the "mount" level (own backend), made by the run's PID 1.
 
-Standard library only, like `envs.sandbox_child`, which uses it. `mount_plan` mounts the plan
-(`envs.sandbox_plan`) under a fresh tmpfs; `stage` puts the host's work-dir parent in a holder there;
+Standard library only, like `envs.sandbox.child`, which uses it. `mount_plan` mounts the plan
+(`envs.sandbox.plan`) under a fresh tmpfs; `stage` puts the host's work-dir parent in a holder there;
 `enter_root` makes that tmpfs the namespace's read-only `/` (the host's root unmounted); all three before
 the run is asked for. `show_workdir` then binds the run's own work dir from the stage into place and
 covers the stage.

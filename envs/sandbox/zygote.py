@@ -1,7 +1,7 @@
 """The zygote of `envs.sandbox`: a stdlib-only process that forks the children of runs, some made ahead.
 
-Run as a script by `envs.sandbox_run`: `python -I -S sandbox_zygote.py --zygote FD`, FD a Unix socket to the
-host. Requests on it (`sandbox_run._Zygote`'s; a kind, the prep's JSON, what else the kind needs):
+Run as a script by `envs.sandbox.launch`: `python -I -S zygote.py --zygote FD`, FD a Unix socket to the
+host. Requests on it (`launch._Zygote`'s; a kind, the prep's JSON, what else the kind needs):
 
     run    the run's JSON, with the run's stdin, stdout, stderr, the host's status pipe and events fds: a
            child is forked from the prep, its pid written to the status pipe (the host's kill target), the
@@ -9,7 +9,7 @@ host. Requests on it (`sandbox_run._Zygote`'s; a kind, the prep's JSON, what els
     claim  a pid, with the status pipe: the host has sent a run to that child made ahead itself
     ahead  nothing more: make children ahead from this prep
 
-Children made ahead (`prep["ahead"]`, `sandbox_child.AHEAD` of them) are forked from the prep before any
+Children made ahead (`prep["ahead"]`, `child.AHEAD` of them) are forked from the prep before any
 request: each makes its namespaces and mounts, then waits on its channel. The zygote hands each to the host
 at once (the prep's JSON and the pid, with the channel's fd); the host sends a run straight to the oldest
 made for the run's prep, then claims it. A channel closes with its one run, so no child serves two, and
@@ -32,20 +32,21 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script's directory out
 
-import sandbox_child as child  # noqa: E402
+import child  # noqa: E402
+import messages  # noqa: E402
 
 _PR_SET_CHILD_SUBREAPER = 36
 
 
 class _Child:
-    """A forked C (`sandbox_child.run_child`) that takes its run from its channel (at `SPEC_FD`)."""
+    """A forked C (`child.run_child`) that takes its run from its channel (at `SPEC_FD`)."""
 
     def __init__(self, prep: dict, devnull: int):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.pid = os.fork()
         if self.pid == 0:
             signal.set_wakeup_fd(-1)
-            child.place_fds([devnull, devnull, devnull, devnull, theirs.fileno()])  # SPEC_FD: the channel
+            messages.place_fds([devnull, devnull, devnull, devnull, theirs.fileno()])  # SPEC_FD: the channel
             child.run_child(prep)
         theirs.close()
         self.channel = ours
@@ -70,7 +71,7 @@ class _Zygote:
             pid = int(pid_text)
             self.handed.pop(pid, None)
             if pid in self.ended:
-                child.report(fds[0], self.ended.pop(pid), close=True)
+                messages.report(fds[0], self.ended.pop(pid), close=True)
             else:
                 self.children[pid] = fds[0]
         elif kind == b"run":
@@ -98,7 +99,9 @@ class _Zygote:
             except OSError:
                 return
             try:
-                child.send_message(self.host, key + b"\n" + str(made.pid).encode(), [made.channel.fileno()])
+                messages.send_message(
+                    self.host, key + b"\n" + str(made.pid).encode(), [made.channel.fileno()]
+                )
                 self.handed[made.pid] = key
             except OSError:
                 with contextlib.suppress(OSError):
@@ -115,9 +118,9 @@ class _Zygote:
             for fd in fds:
                 os.close(fd)  # the host reads EOF instead of a pid: no child
             return
-        child.report(fds[3], started.pid)
+        messages.report(fds[3], started.pid)
         try:
-            child.send_message(started.channel, run, fds)
+            messages.send_message(started.channel, run, fds)
             self.children[started.pid] = fds[3]
         except OSError:  # it died at once: the host finds the status lost
             os.close(fds[3])
@@ -146,7 +149,7 @@ class _Zygote:
                 break
             fd = self.children.pop(pid, None)
             if fd is not None:
-                child.report(fd, status, close=True)
+                messages.report(fd, status, close=True)
             elif self.handed.pop(pid, None) is not None:
                 self.ended[pid] = status
                 while len(self.ended) > 64:  # dropped by the host: no claim will come
@@ -171,7 +174,7 @@ def zygote_main(fd: int) -> None:
     while True:
         for key, _ in sel.select():
             if key.fileobj is sock:
-                message = child.recv_message(sock)
+                message = messages.recv_message(sock)
                 if message is None:
                     zygote.close()
                     return
@@ -183,5 +186,5 @@ def zygote_main(fd: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--zygote"]:
-        sys.exit("usage: sandbox_zygote.py --zygote FD (started by envs.sandbox_run)")
+        sys.exit("usage: zygote.py --zygote FD (started by envs.sandbox.launch)")
     zygote_main(int(sys.argv[2]))

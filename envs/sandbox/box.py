@@ -7,14 +7,14 @@ Every run gets: the sandbox's work dir as cwd and HOME; a scrubbed environment (
 HOME=workdir, LANG=C.UTF-8, nothing inherited, the caller's `env` added); rlimits on CPU seconds (rounded up
 to whole seconds; SIGXCPU, then SIGKILL one second later), address space per process, processes, file size,
 open files and POSIX message queues; no core dumps; a wall-clock limit (SIGTERM to the run, SIGKILL
-`sandbox_run._TERM_GRACE_S` later); stdout and stderr each kept up to `Limits.output_bytes` (`truncated`).
+`launch._TERM_GRACE_S` later); stdout and stderr each kept up to `Limits.output_bytes` (`truncated`).
 A host process running as root runs sandboxed code as `nobody` (65534), never as root.
 
 Starting a run. Warm (the default): this process's zygote (`start_zygote`, which the code and terminal
 domains call when they are made) keeps two children made ahead for the last tmpfs size and network flag
 asked for: namespaces, mounts, /proc, root and the command's process exist before the request, so a run
 only binds its work dir into place, sets its own limits and execs; each child serves one run and the next
-one is made at once (`envs.sandbox_zygote`). Runs with a per-run cgroup, with bubblewrap or at the
+one is made at once (`envs.sandbox.zygote`). Runs with a per-run cgroup, with bubblewrap or at the
 "rlimits" level are not made ahead: their child is forked for the run. Cold
 (`Sandbox(zygote=False)`): the same child code in a fresh interpreter per run, identical results.
 `start_latency` measures both.
@@ -24,7 +24,7 @@ running `true` under each; every `RunResult.isolation` names it, with "+network"
 
 - "mount": its own mount, PID, network, IPC, UTS and user namespaces (backend "unshare": this package
   makes them, through unprivileged user namespaces; backend "bwrap": bubblewrap makes the same ones from the
-  same plan, `envs.sandbox_plan`). The run sees a read-only root holding only /usr (and /bin, /lib... as on
+  same plan, `envs.sandbox.plan`). The run sees a read-only root holding only /usr (and /bin, /lib... as on
   the host) and a list of /etc entries, its work dir read-write, fresh tmpfs of `Limits.tmp_bytes` each on
   /tmp, /var/tmp and /dev/shm, a minimal /dev and a fresh /proc showing only its own processes; nothing of
   /root, /home, this project or other work dirs. No network (loopback only). The command runs in a user
@@ -40,28 +40,25 @@ running `true` under each; every `RunResult.isolation` names it, with "+network"
 Code and terminal domains call `require("mount")`: below it they refuse to start unless told otherwise.
 
 Total resources (`Isolation.resources`, also in every `RunResult`):
-- "cgroup2": where a cgroup v2 is delegated (`envs.cgroups`), each run has its own cgroup: memory.max =
-  `total_memory_bytes` for all its processes, tmpfs pages and kernel memory together (no swap; OOM kills
-  the whole run), pids.max, cpu.max = `cpus`.
+- "cgroup2": where a cgroup v2 is delegated (`envs.sandbox.cgroups`), each run has its own cgroup:
+  memory.max = `total_memory_bytes` for all its processes, tmpfs pages and kernel memory together (no
+  swap; OOM kills the whole run), pids.max, cpu.max = `cpus`.
 - "watchdog": at the "mount" level without cgroups, the run's supervisor adds up the anonymous and shared
   memory mapped by all the run's processes every 10 ms (every 2 ms once they hold half of it) and kills
   every one of them past `total_memory_bytes` (`RunResult.memory_exceeded`). A run overshoots by what it
   faults in while the supervisor waits for a core, so the supervisor runs `WATCH_NICE_BELOW` nice values
   under the run: its own lowered where the host may (root), else the run's raised (a busy host then gives
-  the run less CPU), with a short EEVDF slice request (`WATCH_SLICE_NS`, Linux 6.12+) besides. Measured by
-  `benchmarks/sandbox_memory.py` beside 3 XLA-compiling processes on 2 cores (load ~15), 12 processes
-  faulting in 4 GiB against a 2 GiB total, 30 runs each: at most 3 MiB under it (the run raised instead:
-  1 MiB under), against 1.4 GiB over before (90th percentile 446 MiB); the slice request alone, 1.5 GiB
-  over (`benchmarks/results/sandbox_memory.jsonl`). What it cannot see is bounded per
-  process only: memfd pages that are not mapped (open_files x file_bytes per process) and kernel memory;
-  tmpfs use is bounded by the tmpfs sizes.
+  the run less CPU), with a short EEVDF slice request (`WATCH_SLICE_NS`, Linux 6.12+) besides
+  (`benchmarks/sandbox_memory.py` measures the overshoot). What it cannot see is bounded per process
+  only: memfd pages that are not mapped (open_files x file_bytes per process) and kernel memory; tmpfs
+  use is bounded by the tmpfs sizes.
 - "rlimits": per-process limits only: a run may hold max_procs x memory_bytes (plus, at "unshare-net" and
   "rlimits", whatever it writes to the host's tmpfs).
 
 Configuration, read when the level is first detected (or given to `configure`):
     ENVS_SANDBOX_LEVEL=mount|unshare-net|rlimits   use at most this level
     ENVS_SANDBOX_BACKEND=auto|unshare|bwrap        the mount level's backend (auto: own, then bwrap)
-    ENVS_SANDBOX_CGROUP=auto|none|/sys/fs/cgroup/...  where per-run cgroups go (see envs.cgroups)
+    ENVS_SANDBOX_CGROUP=auto|none|/sys/fs/cgroup/...  where per-run cgroups go (see envs.sandbox.cgroups)
 
 Not guaranteed: limits on disk use of the work dir beyond RLIMIT_FSIZE per file; RLIMIT_AS counts virtual
 memory (a runtime that reserves much address space needs a larger `memory_bytes`); a command line or
@@ -73,22 +70,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
 import pathlib
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import weakref
 
 from configs.errors import UserError
-from envs import cgroups, sandbox_plan, sandbox_root, sandbox_run
-from envs.sandbox_run import execute, zygote_pid
+from envs.sandbox import cgroups, launch, plan, workroot
+from envs.sandbox.launch import execute, zygote_pid
 
 __all__ = ["Limits", "RunResult", "Isolation", "IsolationError", "Sandbox", "run_once", "isolation"]
 __all__ += ["isolation_level", "require", "configure", "start_zygote", "zygote_pid", "start_latency"]
@@ -98,9 +93,7 @@ BACKENDS = ("unshare", "bwrap")
 REQUIRED = "mount"  # what domains that run model-written code require by default
 BASE_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 NOBODY = 65534
-WATCH_NICE_BELOW = (
-    10  # the watchdog's nice value under the run's, where it may (sandbox_child._raise_priority)
-)
+WATCH_NICE_BELOW = 10  # the watchdog's nice value under the run's, where it may (watchdog.raise_priority)
 WATCH_SLICE_NS = 100_000  # the watchdog's EEVDF slice request (the shortest the kernel takes)
 HOW_TO_GET_MOUNT = (
     "allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0; on Debian kernels before 5.10 "
@@ -197,7 +190,7 @@ def _sandbox_uid() -> int | None:
 
 def _probe(level: str, backend: str) -> str:
     """'' when `true` runs at this level with this backend; else the reason it does not."""
-    with tempfile.TemporaryDirectory(prefix="sandbox-probe-", dir=sandbox_root.get()) as d:
+    with tempfile.TemporaryDirectory(prefix="sandbox-probe-", dir=workroot.get()) as d:
         if _sandbox_uid() is not None:
             os.chown(d, _sandbox_uid(), _sandbox_uid())
         isolation = Isolation(level, backend, "rlimits")
@@ -306,7 +299,7 @@ def _spec(
     network: bool,
     cgroup: str | None,
 ) -> dict:
-    """What the child does (`envs.sandbox_child`): `prep`, what the run's namespaces and mounts are made
+    """What the child does (`envs.sandbox.child`): `prep`, what the run's namespaces and mounts are made
     from, the same for every run with these tmpfs sizes and network flag (with `ahead`: the zygote may make
     the child from it before the run comes: own backend, no cgroup); `run`, what is this run's own."""
     prep = {
@@ -323,11 +316,11 @@ def _spec(
     }
     run = {"argv": argv, "env": env, "cwd": cwd, "limits": _limits_dict(limits), "workdir": workdir}
     if isolated.level == "mount":
-        private = str(sandbox_root.get())
+        private = str(workroot.get())
         base = _base_ops(limits.tmp_bytes, network, private)
         if isolated.backend == "bwrap":
             ops = [*base, ["rw", workdir]]
-            run["argv"] = sandbox_plan.bwrap_argv(ops, argv, cwd, network, limits.max_procs)
+            run["argv"] = plan.bwrap_argv(ops, argv, cwd, network, limits.max_procs)
         else:
             prep["mounts"], prep["root"] = base, os.path.join(private, ".root")
             prep["workdirs"] = os.path.dirname(workdir)  # staged ahead; the run shows its own one only
@@ -341,9 +334,9 @@ def _limits_dict(limits: Limits) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def _base_ops(tmp_bytes: int, network: bool, private_root: str) -> list[list]:
-    """The mount plan but the work dir (`sandbox_plan.base_ops`), once per tmpfs size, network flag and
+    """The mount plan but the work dir (`plan.base_ops`), once per tmpfs size, network flag and
     private root (a new private root stages /etc again)."""
-    return sandbox_plan.base_ops(tmp_bytes, _staged_etc(network), _PRIVATE_PATHS)
+    return plan.base_ops(tmp_bytes, _staged_etc(network), _PRIVATE_PATHS)
 
 
 def _run(
@@ -392,12 +385,12 @@ def start_zygote(limits: Limits = Limits(), network: bool = False) -> bool:
     for runs with these limits' tmpfs size and this network flag (none where runs get a cgroup each, use
     bubblewrap or run at the "rlimits" level); False if the zygote cannot start."""
     isolated = isolation()
-    if not sandbox_run.start_zygote():
+    if not launch.start_zygote():
         return False
-    workdir = str(sandbox_root.get() / "sandbox-")  # where a Sandbox's work dir lies; only its parent counts
+    workdir = str(workroot.get() / "sandbox-")  # where a Sandbox's work dir lies; only its parent counts
     spec = _spec(["true"], dict(BASE_ENV), workdir, "/", limits, isolated, network, cgroup=None)
     if spec["prep"]["ahead"] and isolated.resources != "cgroup2":
-        sandbox_run.prepare(spec)
+        launch.prepare(spec)
     return True
 
 
@@ -408,22 +401,22 @@ def _cleanup(owner_pid: int, *paths: pathlib.Path) -> None:
         return
     for path in paths:
         if path.exists():
-            sandbox_root.rmtree(path)
+            workroot.rmtree(path)
 
 
-_PRIVATE_PATHS = sandbox_plan.private_paths()
+_PRIVATE_PATHS = plan.private_paths()
 
 
 def _staged_etc(network: bool) -> str:
-    """This process's copy of the /etc entries runs see (`sandbox_plan.stage_etc`), made on first use."""
-    path = sandbox_root.get() / (".etc-network" if network else ".etc")
+    """This process's copy of the /etc entries runs see (`plan.stage_etc`), made on first use."""
+    path = workroot.get() / (".etc-network" if network else ".etc")
     if not path.exists():
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".etc-", dir=sandbox_root.get()))
-        sandbox_plan.stage_etc(staging, network)
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=".etc-", dir=workroot.get()))
+        plan.stage_etc(staging, network)
         try:
             staging.rename(path)
         except OSError:  # another thread staged it first
-            sandbox_root.rmtree(staging)
+            workroot.rmtree(staging)
     return str(path)
 
 
@@ -441,7 +434,7 @@ class Sandbox:
         zygote: bool = True,
     ):
         self.limits, self.network, self.zygote = limits, network, zygote
-        root = sandbox_root.get()
+        root = workroot.get()
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-", dir=root)).resolve()
         self._snapdir = pathlib.Path(tempfile.mkdtemp(prefix="sandbox-snap-", dir=root)).resolve()
         self._snapshots = 0
@@ -506,7 +499,7 @@ class Sandbox:
             raise KeyError(f"no snapshot {snapshot_id!r}")
         for child in list(self.workdir.iterdir()):
             if child.is_dir() and not child.is_symlink():
-                sandbox_root.rmtree(child)
+                workroot.rmtree(child)
             else:
                 child.unlink()
         _copy_tree(source, self.workdir)
@@ -578,13 +571,3 @@ def start_latency(n: int = 50, pause_s: float = 0.0) -> dict[str, float]:
         figures[f"{name}_p50_ms"] = _percentile(times, 50)
         figures[f"{name}_p99_ms"] = _percentile(times, 99)
     return figures
-
-
-def main(argv: list[str]) -> None:
-    """`python -m envs.sandbox [--runs=N]`: the isolation here and the start latency, one JSON line."""
-    runs = int(argv[0].partition("=")[2]) if argv and argv[0].startswith("--runs=") else 50
-    print(json.dumps({**isolation().to_json(), **start_latency(runs)}))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,23 +1,24 @@
 """The child side of `envs.sandbox`: everything between the fork of a run and the exec of its command.
 
-Standard library only. The zygote (`sandbox_zygote.py`) forks children from `run_child`; `python -I -S
-sandbox_child.py --exec` is the cold path (one fresh interpreter per run, the whole spec on fd 4). The host
+Standard library only. The zygote (`zygote.py`) forks children from `run_child`; `python -I -S
+child.py --exec` is the cold path (one fresh interpreter per run, the whole spec on fd 4). The host
 builds the whole spec (`envs.sandbox._spec`); nothing here decides policy. A spec has two parts: `prep`,
 what a run's namespaces and mounts are made from (the same for many runs), and `run`, what only this run
 has (argv, env, cwd, limits, work dir). A child is made from `prep` first and takes its `run` (with the
 run's stdin, stdout, stderr, status and events fds) from its channel (`SPEC_FD`) only when that comes, so
 that the zygote can make children ahead of their run (`prep["ahead"]`): namespaces made, the mount plan
 mounted, /proc too, the root entered, the command's process forked in its own user namespace. When the run
-comes, its work dir is bound from the stage (`envs.sandbox_mounts`) and the command exec'd with the run's
+comes, its work dir is bound from the stage (`envs.sandbox.mounts`) and the command exec'd with the run's
 limits. A child serves one run, then ends.
 
 Processes of one run at the "mount" and "unshare-net" levels (own backend):
 
     zygote -- C   host PID namespace; its own session (the host's kill target); the run's cgroup when
-                  there is one; the memory watchdog, at a higher priority than the run's (`_raise_priority`);
+                  there is one; the memory watchdog, at a higher priority than the run's
+                  (`watchdog.raise_priority`);
                   ends the way the command ended
               `-- I   PID 1 of the run's PID namespace, root of the run's first user namespace: takes the
-                      run's priority (`_lower_run_priority`); makes the
+                      run's priority (`watchdog.lower_run_priority`); makes the
                       mount, network, IPC and UTS namespaces, the root and P ahead; takes the run from the
                       channel, passes C the events fd, shows the work dir, hands P its run, reaps; once the
                       command has ended, kills and reaps everything left in the namespace, then writes the
@@ -50,7 +51,6 @@ import math
 import os
 import re
 import resource
-import select
 import signal
 import socket
 import struct
@@ -58,26 +58,20 @@ import sys
 import warnings  # noqa: F401 - os.execvpe imports it; later the uid may not read the stdlib
 from collections.abc import Callable
 
-if __package__:  # imported as envs.sandbox_child (by the host)
-    from envs import sandbox_mounts as mounts
-else:  # run as a script, or imported by the zygote: `-I` leaves the script's directory out of sys.path
+if __package__:  # imported as envs.sandbox.child (by the host)
+    from envs.sandbox import messages, mounts, watchdog
+else:  # run from a script (`python -I -S child.py`, the zygote): `-I` leaves the script's directory out
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import sandbox_mounts as mounts
+    import messages
+    import mounts
+    import watchdog
 
-EVENTS_FD = 3  # C -> host: JSON lines
-SPEC_FD = 4  # where a child's spec comes from: a pipe (cold path) or its channel from the zygote
-WATCH_S = 0.01  # the memory watchdog's period while the run holds under half its total
-WATCH_NEAR_S = 0.002  # its period from half the total on: a run's processes fault in ~35 MiB per 10 ms on
-# 2 cores, and a burst of processes that start together lands inside one period
-RUN_NICE: int | None = None  # the run's processes' nice value, from `_raise_priority`
-_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # sched_setattr's system call number
 AHEAD = 2  # children the zygote keeps made ahead: making one waits on the kernel (RCU grace periods for
 # the host root's unmount, network namespace setup) for longer than a run lasts on a busy machine; two give
 # each one the time of two runs, so that runs back to back still find one ready
 NEWNS, NEWUTS, NEWIPC = 0x00020000, 0x04000000, 0x08000000
 NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 4, 15, 36
-_RSS = re.compile(rb"^Rss(?:Anon|Shmem):\s+(\d+) kB", re.M)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -204,8 +198,8 @@ def _scrub_cmdline() -> None:
 def _take_run() -> tuple[bytes, list[int]]:
     """The run's JSON and fds (stdin, stdout, stderr, the host's status pipe, events) from the zygote's
     channel on `SPEC_FD`, which is closed then. EOF (the zygote dropped this prepared child): the end."""
-    channel = socket.socket(fileno=SPEC_FD)
-    received = recv_message(channel)
+    channel = socket.socket(fileno=messages.SPEC_FD)
+    received = messages.recv_message(channel)
     channel.close()
     if received is None:
         os._exit(0)
@@ -216,7 +210,7 @@ def _take_own_run() -> dict:
     """C's run from the zygote (rlimits level, bwrap): stdio to 0-2, events to 3; the zygote reports."""
     raw, fds = _take_run()
     os.close(fds[3])
-    place_fds([fds[0], fds[1], fds[2], fds[4]])
+    messages.place_fds([fds[0], fds[1], fds[2], fds[4]])
     return json.loads(raw)
 
 
@@ -254,10 +248,10 @@ def _command(channel: socket.socket, uid: int, gid: int) -> None:
         _write("/proc/sys/user/max_user_namespaces", "0")
     except BaseException as e:  # noqa: BLE001 - said on the run's stderr once the run is here
         failure = e
-    received = recv_message(channel)
+    received = messages.recv_message(channel)
     if received is None:
         os._exit(0)
-    place_fds(received[1])
+    messages.place_fds(received[1])
     os.closerange(3, 65536)
     if failure is not None:
         raise failure
@@ -303,7 +297,7 @@ def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: in
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     failure = None
     try:
-        _lower_run_priority()
+        watchdog.lower_run_priority()
         _prepare_init(prep)
         to_p, channel = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = os.fork()
@@ -319,18 +313,18 @@ def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: in
         if given is None:
             raw, fds = _take_run()  # stdin, stdout, stderr, the host's status pipe, events
             stdio, status_fd = fds[:3], fds[3]
-            send_message(to_c, raw, [fds[4], proc])
+            messages.send_message(to_c, raw, [fds[4], proc])
             os.close(fds[4])
         else:
-            os.close(EVENTS_FD)
+            os.close(messages.EVENTS_FD)
             raw = json.dumps(given).encode()
-            send_message(to_c, b"", [proc])
+            messages.send_message(to_c, b"", [proc])
         os.close(proc)
         if failure is not None:
             raise failure
         if prep["level"] == "mount":
             mounts.show_workdir(prep["workdirs"], (given or json.loads(raw))["workdir"])
-        send_message(to_p, raw, stdio)
+        messages.send_message(to_p, raw, stdio)
     except BaseException as e:  # noqa: BLE001 - nothing may return into the zygote's frames after a fork
         os.write(stdio[2], f"sandbox: setup failed: {e!r}\n".encode())
         os._exit(126)
@@ -342,135 +336,10 @@ def _init(prep: dict, given: dict | None, to_c: socket.socket, uid: int, gid: in
             break
     _empty_namespace()
     if status_fd is not None:
-        report(status_fd, status, close=True)  # the zygote's line for C comes later; the host takes the first
+        # the zygote's line for C comes later; the host takes the first
+        messages.report(status_fd, status, close=True)
     to_c.sendall(f"{status}\n".encode())
     os._exit(0)
-
-
-def _open_run_proc(proc: str | int, host_proc_dev: int) -> int | None:
-    """A descriptor of the run's /proc, from `proc` (a path, or a descriptor of the directory), or None while
-    that is still the host's /proc: one descriptor per look, so that measuring and killing see the same
-    /proc even where `proc` is a path that could come to name another."""
-    try:
-        fd = os.open(proc if isinstance(proc, str) else ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
-                     dir_fd=None if isinstance(proc, str) else proc)  # fmt: skip
-    except OSError:
-        return None
-    if os.fstat(fd).st_dev == host_proc_dev:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _pids_in(proc: int) -> list[str]:
-    """The process directories of the /proc open at `proc`."""
-    try:
-        return [name for name in os.listdir(proc) if name.isdigit()]
-    except OSError:
-        return []
-
-
-def _memory_in(proc: int) -> int:
-    """Bytes of anonymous and shared memory mapped by the processes of the PID namespace whose /proc is open
-    at `proc`."""
-    total = 0
-    for name in _pids_in(proc):
-        with (
-            contextlib.suppress(OSError),
-            open(os.open(f"{name}/status", os.O_RDONLY, dir_fd=proc), "rb") as f,
-        ):
-            total += sum(int(kb) for kb in _RSS.findall(f.read())) << 10
-    return total
-
-
-def _sched_slice(slice_ns: int) -> None:
-    """This process's time slice request under EEVDF (sched_setattr's sched_runtime for SCHED_OTHER, Linux
-    6.12+; 0: the default): a shorter request than the running task's lets a waking task preempt it. No
-    privilege needed; where the kernel or architecture has no such call, nothing happens."""
-    number = _SCHED_SETATTR.get(os.uname().machine)
-    if number is not None:
-        nice = os.getpriority(os.PRIO_PROCESS, 0)
-        attr = struct.pack("=IIqiIQQQ", 48, 0, 0, nice, 0, slice_ns, 0, 0)  # struct sched_attr, version 0
-        mounts.LIBC.syscall(number, 0, attr, 0)
-
-
-def _raise_priority(nice_below: int, slice_ns: int) -> None:
-    """C, while it may (before it drops privileges): the watchdog must run within its period on a machine
-    whose cores the run's processes (and the host's) keep busy, or the run faults memory in meanwhile. C's
-    nice value goes `nice_below` under the host's where lowering it is allowed (CAP_SYS_NICE: root, say);
-    elsewhere the run's goes `nice_below` above it instead (`_lower_run_priority`): a short slice request
-    alone (`slice_ns`, `_sched_slice`, set too) left overshoots of 1.5 GiB beside a busy host
-    (`benchmarks/sandbox_memory.py`)."""
-    global RUN_NICE
-    host = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, max(-20, host - nice_below))
-        RUN_NICE = host
-    except PermissionError:
-        RUN_NICE = min(19, host + nice_below)
-    _sched_slice(slice_ns)
-
-
-def _lower_run_priority() -> None:
-    """I, or bwrap's process, before anything of the run: the run's nice value (`_raise_priority`) and the
-    default slice."""
-    if RUN_NICE is not None:
-        os.setpriority(os.PRIO_PROCESS, 0, RUN_NICE)
-        _sched_slice(0)
-
-
-def _kill_all(proc: int) -> None:
-    """SIGKILL to every process of the PID namespace whose /proc is open at `proc`, each through a descriptor
-    of its /proc directory (`pidfd_send_signal`), at once: killing PID 1 alone leaves the others running, and
-    faulting in memory, until PID 1 is scheduled and its exit kills them."""
-    for name in _pids_in(proc):
-        with contextlib.suppress(OSError):
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc)
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            finally:
-                os.close(fd)
-
-
-def _watch(pid: int, limit: int | None, proc: str | int | None, report: socket.socket | None = None) -> int:
-    """Waits for `pid` to end, or for its wait-status line on `report`; with a `limit`, kills `pid` when
-    the run's processes together map more memory than that. Returns the reported status, else `pid`'s."""
-    watching = limit is not None and proc is not None
-    pidfd = os.pidfd_open(pid)
-    host_dev = os.stat("/proc").st_dev
-    line, waits, used = b"", [pidfd] + ([report] if report is not None else []), 0
-    try:
-        while True:
-            period = (WATCH_NEAR_S if 2 * used >= limit else WATCH_S) if watching else None
-            ready = select.select(waits, [], [], period)[0]
-            if report is not None and report in ready:
-                chunk = report.recv(64)
-                line += chunk
-                if not chunk or line.endswith(b"\n"):
-                    break
-            elif pidfd in ready:
-                break
-            elif watching and (run_proc := _open_run_proc(proc, host_dev)) is not None:
-                try:
-                    if (used := _memory_in(run_proc)) > limit:
-                        _kill_all(run_proc)
-                        os.kill(pid, signal.SIGKILL)
-                        os.write(EVENTS_FD, json.dumps({"memory_exceeded": used}).encode() + b"\n")
-                        break
-                finally:
-                    os.close(run_proc)
-    finally:
-        os.close(pidfd)
-    return int(line) if line.endswith(b"\n") else os.waitpid(pid, 0)[1]
-
-
-def _watch_limit(prep: dict, run: dict) -> int | None:
-    return run["limits"]["total_memory_bytes"] if prep["watch"] else None
-
-
-def _proc_inside(pid: int) -> str:
-    """The /proc that process `pid` sees (under its root): the run's own once its PID namespace mounts it."""
-    return os.path.join("/proc", str(pid), "root", "proc")
 
 
 def _run_namespaced(prep: dict, given: dict | None) -> int:
@@ -487,15 +356,15 @@ def _run_namespaced(prep: dict, given: dict | None) -> int:
         _never_return(_init, prep, given, theirs, uid, gid)
     theirs.close()
     if given is None:
-        os.dup2(0, SPEC_FD)  # the channel is I's now (C's /dev/null in its place, for `_fail`)
-    received = recv_message(ours)  # the run (from the zygote's channel), and the run's /proc
+        os.dup2(0, messages.SPEC_FD)  # the channel is I's now (C's /dev/null in its place, for `_fail`)
+    received = messages.recv_message(ours)  # the run (from the zygote's channel), and the run's /proc
     if received is None:  # I ended before its run started
         return os.waitpid(init, 0)[1]
     run, fds = given or json.loads(received[0]), received[1]
     if given is None:
-        os.dup2(fds[0], EVENTS_FD)
+        os.dup2(fds[0], messages.EVENTS_FD)
         os.close(fds.pop(0))
-    status = _watch(init, _watch_limit(prep, run), fds[0], ours)
+    status = watchdog.watch(init, watchdog.watch_limit(prep, run), fds[0], ours)
     if given is not None:  # a cold C's parent reaps no orphan: I is waited for here
         with contextlib.suppress(ChildProcessError):
             os.waitpid(init, 0)
@@ -510,8 +379,8 @@ def _run_bwrap(prep: dict, run: dict) -> int:
     pid = os.fork()
     if pid == 0:
         os.close(info_r)
-        os.close(EVENTS_FD)
-        _lower_run_priority()
+        os.close(messages.EVENTS_FD)
+        watchdog.lower_run_priority()
         argv = run["argv"]
         bwrap = {**run, "argv": [argv[0], "--info-fd", str(info_w), *argv[1:]]}
         _never_return(_become_command, bwrap, None)  # bwrap_argv sets RLIMIT_NPROC inside
@@ -521,7 +390,9 @@ def _run_bwrap(prep: dict, run: dict) -> int:
         info += chunk
     os.close(info_r)
     child = re.search(rb'"child-pid":\s*(\d+)', info)
-    status = _watch(pid, _watch_limit(prep, run), _proc_inside(int(child[1])) if child else None)
+    status = watchdog.watch(
+        pid, watchdog.watch_limit(prep, run), watchdog.proc_inside(int(child[1])) if child else None
+    )
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
     if 128 < code < 128 + signal.NSIG:  # bwrap's way to say the command died from signal code - 128
         return code - 128
@@ -535,20 +406,20 @@ def run_child(prep: dict, given: dict | None = None) -> None:
     try:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE and SIGXFSZ; the command must not
-        os.closerange(SPEC_FD + 1, 65536)
+        os.closerange(messages.SPEC_FD + 1, 65536)
         if os.getsid(0) != os.getpid():
             os.setsid()
         os.umask(0o022)
         if prep["cgroup"]:
             _write(f"{prep['cgroup']}/cgroup.procs", "0")
         if prep["watch"]:
-            _raise_priority(prep["watch_nice_below"], prep["watch_slice_ns"])
+            watchdog.raise_priority(prep["watch_nice_below"], prep["watch_slice_ns"])
         if prep["uid"] is not None:
             _drop_privileges(prep["uid"])
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
         if prep["level"] == "rlimits":
             run = given or _take_own_run()
-            os.close(EVENTS_FD)
+            os.close(messages.EVENTS_FD)
             _never_return(_become_command, run, run["limits"]["max_procs"] + _user_tasks(os.getuid()))
         if prep["backend"] == "bwrap":
             _end_like(_run_bwrap(prep, given or _take_own_run()))
@@ -557,68 +428,13 @@ def run_child(prep: dict, given: dict | None = None) -> None:
         _fail(e, given)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Messages between the host, the zygote and the processes of a run
-
-
-def _recv_exact(sock: socket.socket, n: int, head: bytes = b"") -> bytes:
-    data = bytearray(head)
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return bytes(data)
-
-
-def recv_message(sock: socket.socket) -> tuple[bytes, list[int]] | None:
-    """One `send_message`: its payload and fds; None at EOF."""
-    try:
-        head, fds, _, _ = socket.recv_fds(sock, 8, 5)
-        if not head:
-            return None
-        (size,) = struct.unpack("!Q", _recv_exact(sock, 8, head))
-        return _recv_exact(sock, size), fds
-    except (ConnectionError, EOFError):
-        return None
-
-
-def send_message(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
-    """A length-prefixed payload, `fds` riding with its first bytes."""
-    head = struct.pack("!Q", len(payload))
-    if fds:
-        socket.send_fds(sock, [head], fds)
-    else:
-        sock.sendall(head)
-    sock.sendall(payload)
-
-
-def place_fds(fds: list[int]) -> None:
-    """Moves `fds` to 0, 1, 2, ... (through high numbers first, so that no move clobbers another); the
-    originals are closed (a copy left behind would hold a pipe open)."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in fds]
-    for fd in set(fds) - set(range(len(fds))):
-        os.close(fd)
-    for target, fd in enumerate(high):
-        os.dup2(fd, target)
-        os.close(fd)
-
-
-def report(fd: int, number: int, close: bool = False) -> None:
-    """One line to the host's status pipe; a host that stopped listening must not take the sender down."""
-    with contextlib.suppress(OSError):
-        os.write(fd, f"{number}\n".encode())
-    if close:
-        os.close(fd)
-
-
 def main(args: list[str]) -> None:
     if args[:1] == ["--exec"]:
-        with open(SPEC_FD, "rb") as f:
-            prep, _, run = f.read().partition(b"\n")  # sandbox_run.encode's
+        with open(messages.SPEC_FD, "rb") as f:
+            prep, _, run = f.read().partition(b"\n")  # launch.encode's
         run_child(json.loads(prep), json.loads(run))
     else:
-        sys.exit("usage: sandbox_child.py --exec (started by envs.sandbox; the zygote is sandbox_zygote.py)")
+        sys.exit("usage: child.py --exec (started by envs.sandbox; the zygote is zygote.py)")
 
 
 if __name__ == "__main__":
