@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 import model as model_lib
-from model.moe import ExpertBias
+from model.moe.layer import ExpertBias
 
 # What a model runs on in the engine: its parameters and the sigmoid routers' selection biases.
 WEIGHTS = (nnx.Param, ExpertBias)
@@ -53,7 +53,7 @@ def model_weights(name: str, given, like: nnx.State, *, keep: nnx.State | None =
         if keep is None:
             raise ValueError(
                 f"{name}: this model has a sigmoid router, whose selection biases (ExpertBias) are not "
-                "nnx.Params; pass the module or nnx.state(model, (nnx.Param, model.moe.ExpertBias))."
+                "nnx.Params; pass the module or nnx.state(model, (nnx.Param, model.moe.layer.ExpertBias))."
             )
         given = nnx.merge_state(given, nnx.filter_state(keep, ExpertBias))
     _check_params(name, given, like)

@@ -10,7 +10,7 @@ norm, for k = 1) and the embedding of token i + k, and runs
     logits_i = unembed(norm(h'_i))                           `norm` is HF's shared_head.norm
 
 The embedding and the output matrix are the main model's (DeepSeek-V3's checkpoints store copies in each MTP
-layer; `model.hf` reads and writes them as such). In HF checkpoints module k is decoder layer
+layer; `model.io.hf` reads and writes them as such). In HF checkpoints module k is decoder layer
 num_hidden_layers + k - 1 (`num_nextn_predict_layers` of them): enorm, hnorm, eh_proj, the usual layer
 tensors, shared_head.norm / shared_head.head.
 """

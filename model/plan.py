@@ -18,7 +18,8 @@ from ml_collections import ConfigDict
 
 from configs.schema import ConfigError
 from model import config as config_lib
-from model import moe_parallel, sharding
+from model import sharding
+from model.moe import parallel as moe_parallel
 from model.plan_format import format_table  # noqa: F401  (the table of `plan`, used by model.demo)
 from model.transformer import Transformer
 
@@ -259,7 +260,7 @@ def plan(
     length that does not divide over its shards. With `cfg.rl.micro_batches` = M (a GRPO config),
     activations are those of one micro-batch of batch / M rows.
 
-    With the expert-parallel shard_map on this mesh (`model.moe_parallel`), `ep_buffer_bytes_dropless`
+    With the expert-parallel shard_map on this mesh (`model.moe.parallel`), `ep_buffer_bytes_dropless`
     and `ep_buffer_bytes` are one exchange buffer [J * C, D] of one MoE layer on one device (compute
     dtype; four live around the layer: send and receive, there and back) for one micro-batch, with C
     dropless and under `model.moe.ep_capacity_factor`; None without that path. Not in the total.

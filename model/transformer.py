@@ -22,7 +22,7 @@ from model import config as config_lib
 from model import layers, seeds, sharding
 from model.attention import Attention
 from model.mla import MLAttention, cache_width
-from model.moe import MoEBlock
+from model.moe.layer import MoEBlock
 from model.mtp import MTPModule, shifted
 
 ACT = ("act_batch", "act_length", "act_embed")

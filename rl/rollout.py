@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from envs import EnvPool, Score, Task, registry
+from envs import Score, Task, registry
+from envs.pool import EnvPool
 from inference.sampling import SamplingParams
 from model.io.tokenizer import Tokenizer
 from rl import grpo

@@ -242,7 +242,7 @@ def _cfg(**rl):
 
 
 def test_heldout_tasks_respect_levels_and_prompt_length():
-    from model.tokenizer import ByteTokenizer
+    from model.io.tokenizer import ByteTokenizer
     from rl import rollout
 
     tokenizer = ByteTokenizer(256)
@@ -267,7 +267,7 @@ def test_heldout_tasks_respect_levels_and_prompt_length():
 def test_heldout_tasks_use_the_env_options(gsm8k_files):
     import ml_collections
 
-    from model.tokenizer import ByteTokenizer
+    from model.io.tokenizer import ByteTokenizer
 
     kwargs, questions = gsm8k_files
     cfg = _cfg(domains=("math",), max_prompt_len=512, env=ml_collections.ConfigDict({"math": kwargs}))
@@ -280,7 +280,7 @@ def test_heldout_tasks_use_the_env_options(gsm8k_files):
 
 
 def test_heldout_prompts_are_distinct_and_selection_is_apart():
-    from model.tokenizer import ByteTokenizer
+    from model.io.tokenizer import ByteTokenizer
 
     # arith level 0 has 10 * 10 * 2 = 200 expressions (fewer prompts: a - b with a < b is swapped), so 40
     # draws of its eval stream repeat prompts; the held-out tasks keep each prompt once.

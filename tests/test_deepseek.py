@@ -20,8 +20,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from inference import Engine, EngineConfig, SamplingParams
-from model import hf
-from model.moe import ExpertBias
+from model.io import hf
+from model.moe.layer import ExpertBias
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -229,7 +229,7 @@ def test_checkpoint_without_mtp_tensors_loads_without_mtp_modules(tmp_path, capl
         k.startswith(f"model.layers.{layers}.") for k in load_file(str(tmp_path / "model.safetensors"))
     )
 
-    with caplog.at_level(logging.WARNING, logger="model.hf"):
+    with caplog.at_level(logging.WARNING, logger="model.io.hf"):
         cfg, m = hf.load_model(tmp_path)
     assert cfg.model.mtp_layers == 0 and cfg.model.num_layers == layers and not hasattr(m, "mtp")
     said = [r.getMessage() for r in caplog.records if "num_nextn_predict_layers" in r.getMessage()]

@@ -19,7 +19,8 @@ from safetensors.numpy import load_file, save_file
 
 import model
 from configs import tiny
-from model import hf, hf_config, sharding
+from model import sharding
+from model.io import hf, hf_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -57,8 +57,8 @@ def upward_imports() -> set[tuple[str, str]]:
 
 
 def test_the_checker_sees_an_upward_import():
-    assert _upward("model", "rl.train_step") and _upward("envs", "model.tokenizer")
-    assert not _upward("rl", "model.hf") and not _upward("envs", "configs.schema")
+    assert _upward("model", "rl.train_step") and _upward("envs", "model.io.tokenizer")
+    assert not _upward("rl", "model.io.hf") and not _upward("envs", "configs.schema")
     assert not _upward("inference", "envs") and not _upward("model", "jax")
 
 

@@ -17,7 +17,7 @@ from inference import MTPDrafter
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
 from model import mla
-from model.moe import ExpertBias
+from model.moe.layer import ExpertBias
 
 ECFG = EngineConfig(
     max_batch=4, max_seq_len=64, page_size=8, num_pages=48, prefill_chunk=16, prefill_batch=2, min_bucket=16

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from configs import tiny
-from model import moe, moe_dispatch
+from model.moe import dispatch as moe_dispatch
+from model.moe import layer as moe
 
 # f32 everywhere; ragged and capacity sum the same products in a different order.
 ATOL = RTOL = 1e-5
@@ -346,7 +347,7 @@ def test_every_expert_path_below_its_threshold_equals_the_dispatch(impl, factor)
 def test_every_expert_path_by_hand():
     # 2 tokens, 3 experts of d = f = 1 (SwiGLU silu(g x) * (u x) * down): token 0 picks experts 2 and 0 with
     # weights 0.75 / 0.25, token 1 expert 1 alone with weight 1.
-    from model.moe_dispatch import every_expert_swiglu
+    from model.moe.dispatch import every_expert_swiglu
 
     gate = jnp.asarray([1.0, 2.0, -1.0]).reshape(3, 1, 1)
     up = jnp.asarray([0.5, 1.0, 2.0]).reshape(3, 1, 1)

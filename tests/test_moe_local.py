@@ -1,4 +1,4 @@
-"""model.moe_local: each batch shard's own dispatch equals the global ragged dispatch (outputs, gradients)."""
+"""model.moe.local: each batch shard's own dispatch equals the global ragged dispatch (outputs, gradients)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from configs.base import DEFAULT_RULES
-from model import moe_local
-from model.moe_dispatch import ragged_dispatch
+from model.moe import local as moe_local
+from model.moe.dispatch import ragged_dispatch
 from model.sharding import make_mesh
 
 

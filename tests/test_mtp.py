@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from model import hf, mtp
-from model.moe import ExpertBias
+from model import mtp
+from model.io import hf
+from model.moe.layer import ExpertBias
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -8,10 +8,11 @@ from flax import nnx
 
 import model
 from configs import tiny
-from envs import EnvPool, Task, registry
+from envs import Task, registry
+from envs.pool import EnvPool
 from envs.domains import terminal_env
 from inference import Completion, Engine, EngineConfig, SamplingParams
-from model.tokenizer import ByteTokenizer
+from model.io.tokenizer import ByteTokenizer
 from rl import grpo
 from rl import rollout as ro
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from model.tokenizer import HFTokenizer, load_tokenizer
-from model.tokenizer_tiktoken import MAX_RUN_CHARS, TiktokenTokenizer, _pieces
+from model.io.tokenizer import HFTokenizer, load_tokenizer
+from model.io.tokenizer_tiktoken import MAX_RUN_CHARS, TiktokenTokenizer, _pieces
 
 HAN = "中".encode()  # e4 b8 ad
 MERGES = [  # rank 256 + position

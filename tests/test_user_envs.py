@@ -10,8 +10,10 @@ import pytest
 
 from configs import grpo
 from configs.schema import ConfigError
-from envs import Environment, EnvPool, Score, SingleTurnEnvironment, qa, registry
+from envs import Environment, Score, SingleTurnEnvironment, registry
 from envs.base import has_reference_solution
+from envs.pool import EnvPool
+from envs.qa import gate as qa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD = "examples.my_envs.add:AddNumbers"
@@ -209,7 +211,7 @@ def test_entry_point_names_take_levels_options_and_weights(tmp_path, monkeypatch
 
 
 def test_tasks_must_carry_the_name_the_run_knows(tmp_path, monkeypatch):
-    from model.tokenizer import load_tokenizer
+    from model.io.tokenizer import load_tokenizer
     from rl import data
 
     mod = _module(

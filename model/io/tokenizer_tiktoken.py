@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from model.tokenizer import (
+from model.io.tokenizer import (
     CheckpointTokenizer,
     _chat_templates,
     _checkpoint_named_tokens,

@@ -12,7 +12,7 @@
   `special_tokens_map.json`, `chat_template.jinja` and `additional_chat_templates/`, and extra stop ids from
   `generation_config.json`. Encode, decode and `apply_chat_template` give what `transformers.AutoTokenizer`
   gives for the same directory.
-- `model.tokenizer_tiktoken.TiktokenTokenizer` reads a checkpoint that ships a tiktoken BPE file
+- `model.io.tokenizer_tiktoken.TiktokenTokenizer` reads a checkpoint that ships a tiktoken BPE file
   (`tiktoken.model`, as Kimi K2) instead of tokenizer.json. It and `HFTokenizer` share `CheckpointTokenizer`:
   the named special tokens, stop ids and chat templates.
 
@@ -584,7 +584,7 @@ def load_tokenizer(path: str | os.PathLike | None, vocab_size: int | None = None
     directory = pathlib.Path(path)
     tokenizer: Tokenizer
     if (directory / "tiktoken.model").is_file() and not (directory / "tokenizer.json").is_file():
-        from model.tokenizer_tiktoken import TiktokenTokenizer
+        from model.io.tokenizer_tiktoken import TiktokenTokenizer
 
         tokenizer = TiktokenTokenizer.from_dir(directory)
     else:

@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` <-> our `ml_collections` config, for the architectures `model.hf` loads.
+"""Hugging Face `config.json` <-> our `ml_collections` config, for the architectures `model.io.hf` loads.
 
 Supported: Qwen3-MoE, Qwen2-MoE, Qwen3, Qwen2, Llama (3.x rope scaling included), Mixtral and DeepSeek-V3
 (Kimi K2 uses the same architecture: MLA, sigmoid routing with a selection bias, group-limited top-k, shared
@@ -49,7 +49,7 @@ KNOWN_UNSUPPORTED = {
 
 
 # Model fields config.json does not define: how the model runs and trains, not what it computes. `from_hf`
-# leaves them at configs/base.py's defaults; a caller with its own settings passes them to `model.hf.load`.
+# leaves them at configs/base.py's defaults; a caller with its own settings passes them to `model.io.hf.load`.
 RUNTIME_FIELDS = (
     "attention_impl",
     "scan_layers",
@@ -182,7 +182,7 @@ def from_hf(hf: dict) -> ml_collections.ConfigDict:
         e.top_k = int(hf["num_experts_per_tok"])
         e.d_ff = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
         e.num_shared_experts = 0
-        if ARCHITECTURES[arch].shared:  # Qwen2-MoE: one shared expert (its gate: `model.hf`)
+        if ARCHITECTURES[arch].shared:  # Qwen2-MoE: one shared expert (its gate: `model.io.hf`)
             e.num_shared_experts, e.shared_d_ff = 1, int(hf["shared_expert_intermediate_size"])
         e.router = "softmax"
         # Mixtral renormalises the top-k softmax weights; the Qwen MoEs do when norm_topk_prob is set.
@@ -299,9 +299,9 @@ def to_hf(cfg: ml_collections.ConfigDict) -> dict:
                 mlp_only_layers=list(range(m.moe.first_dense_layers)),
             )
         if arch == "Qwen2MoeForCausalLM":
-            # Our shared experts side by side along the ffn axis are one SwiGLU of their summed width. Our own
-            # models get q/k/v biases (`model.hf.save` writes zeros when the model has none): most Qwen2-MoE
-            # readers (vLLM, transformers < 5) always have them.
+            # Our shared experts side by side along the ffn axis are one SwiGLU of their summed width. Our
+            # own models get q/k/v biases (`model.io.hf.save` writes zeros when the model has none): most
+            # Qwen2-MoE readers (vLLM, transformers < 5) always have them.
             width = m.moe.shared_d_ff * m.moe.num_shared_experts
             qkv_bias = bool(m.attention_bias) or bool(hf.get("qkv_bias", True))
             hf.update(shared_expert_intermediate_size=width, qkv_bias=qkv_bias, use_sliding_window=False)

@@ -37,8 +37,9 @@ import numpy as np
 from flax import nnx
 
 from model import config as config_lib
-from model import hf_config, hf_files, sharding
-from model.moe import ExpertBias
+from model import sharding
+from model.io import hf_config, hf_files
+from model.moe.layer import ExpertBias
 from model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -451,7 +452,8 @@ def _match_tensors(cfg: ml_collections.ConfigDict, directory: pathlib.Path) -> N
             if np.any(ckpt.read(name) != 0):
                 raise ValueError(
                     f"{name} is not zero: our model has no gated shared expert, so only Qwen2-MoE "
-                    "checkpoints whose shared_expert_gate weights are all zero (as model.hf.save writes) load"
+                    "checkpoints whose shared_expert_gate weights are all zero (as model.io.hf.save writes) "
+                    "load"
                 )
     finally:
         ckpt.close()
@@ -486,7 +488,7 @@ def load(
     cfg's) or on the default device. On a mesh every device's block is read slice by slice, each distinct
     block once per process, and a mesh may span processes (each reads only its devices' blocks). `dtype`
     overrides the parameter dtype (FP8 checkpoints load in their non-quantized dtype, bf16 by default).
-    `variables` (an nnx filter) widens what is read, e.g. `(nnx.Param, model.moe.ExpertBias)` for
+    `variables` (an nnx filter) widens what is read, e.g. `(nnx.Param, model.moe.layer.ExpertBias)` for
     DeepSeek-V3's `e_score_correction_bias`, which `load_model` reads too. `overrides`: model fields set
     after config.json is read (`read_config`), e.g. the runtime settings `scan_layers` or `remat` (the layout
     of the params follows them). `shardings` (instead of `mesh` and `rules`): each parameter's exact
@@ -508,7 +510,7 @@ def _targets(shardings) -> dict:
 def _load(directory, mesh, dtype, variables, overrides, rules, shardings=None):
     """`load`, and its `LoadStats`."""
     if shardings is not None and (mesh is not None or rules is not None):
-        raise ValueError("model.hf.load: give `shardings`, or `mesh` (and `rules`), not both")
+        raise ValueError("model.io.hf.load: give `shardings`, or `mesh` (and `rules`), not both")
     directory = pathlib.Path(directory)
     cfg = read_config(directory, overrides=overrides)
     if dtype is not None:
@@ -540,7 +542,7 @@ def _load(directory, mesh, dtype, variables, overrides, rules, shardings=None):
             missing = [p.path for p in params if p.path not in targets]
             if missing:
                 raise ValueError(
-                    f"model.hf.load: `shardings` has no entry for {len(missing)} parameter(s), e.g. "
+                    f"model.io.hf.load: `shardings` has no entry for {len(missing)} parameter(s), e.g. "
                     f"{'/'.join(map(str, missing[0]))}"
                 )
         elif mesh is None:
@@ -593,7 +595,7 @@ def load_sharded(
     """(params, model_state, stats) of the checkpoint in `directory` for a run: `cfg` is the run's config,
     whose model is the checkpoint's (`rl.validate.init_from_config` makes it so) with the run's runtime
     fields (`hf_config.runtime_fields`), and `mesh` the trainer's, possibly across processes. Every array has
-    the sharding `rl.train_step.init_state(cfg, mesh=mesh, ...)` gives it (`cfg.mesh.rules` by logical
+    the sharding `rl.train_state.init_state(cfg, mesh=mesh, ...)` gives it (`cfg.mesh.rules` by logical
     axes), so init_state moves nothing, and each process reads only the slices its devices hold (no mesh:
     the default device). `params`: the `nnx.Param` state; `model_state`: the other variables (the sigmoid
     routers' selection biases)."""

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec
 
 from model import sharding
 from model.config import note_path
-from model.moe_dispatch import (
+from model.moe.dispatch import (
     combine_rows,
     gather_rows,
     invert_rows,

@@ -20,7 +20,7 @@ Dispatch:
   C (in token order) are dropped and counted. The buffer is expert-major, [E, B * C, D], so each expert
   is one plain matmul over all its rows. With C >= T nothing drops and the output equals ragged.
 - expert parallel (`moe.expert_parallel`, experts sharded over a mesh axis): either of the above as a
-  `jax.shard_map` with an all-to-all of the routed tokens (model/moe_parallel.py); the same outputs.
+  `jax.shard_map` with an all-to-all of the routed tokens (model/moe/parallel.py); the same outputs.
 - small-token gather (`moe.gather_max_tokens`, decode-size batches, experts not sharded): each token
   gathers its top-k experts' weights, no sort (`moe_dispatch.gathered_swiglu`); the same outputs.
 - every expert (`moe.every_expert_max_tokens`, decode-size batches, experts not sharded): three matmuls
@@ -37,8 +37,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from model import layers, moe_local, moe_parallel, sharding
-from model.moe_dispatch import (
+from model import layers, sharding
+from model.moe import local as moe_local
+from model.moe import parallel as moe_parallel
+from model.moe.dispatch import (
     combine_rows,
     every_expert_swiglu,
     gather_rows,

@@ -1,4 +1,4 @@
-"""The safetensors side of `model.hf`: a lazy reader of a checkpoint directory (one tensor, or one slice of
+"""The safetensors side of `model.io.hf`: a lazy reader of a checkpoint directory (one tensor, or one slice of
 one, at a time; FP8 block-quantized tensors dequantized as they are read) that counts the bytes it reads, and
 a writer of size-capped shards with their index, whose files several processes can write between them.
 """

@@ -10,7 +10,7 @@ B / S sequences: `local_ragged` runs `ragged_dispatch` inside a `jax.shard_map` 
 the expert weights replicated into it (GSPMD gathers FSDP shards at the boundary, as it does for any FSDP
 matmul) and their gradients summed over the shards by the shard_map's transpose.
 
-Used when the experts are not sharded (with an expert axis, `model.moe_parallel`'s all-to-all path runs)
+Used when the experts are not sharded (with an expert axis, `model.moe.parallel`'s all-to-all path runs)
 and the batch divides over the batch axes; otherwise the global dispatch runs as before.
 """
 
@@ -22,7 +22,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from model import sharding
-from model.moe_dispatch import ragged_dispatch
+from model.moe.dispatch import ragged_dispatch
 
 
 def batch_axes(rules, sizes: dict[str, int]) -> tuple[str, ...]:
