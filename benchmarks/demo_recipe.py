@@ -1,4 +1,4 @@
-"""python benchmarks/demo_recipe.py
+"""python -m benchmarks demo_recipe
 
 The `make demo` recipe on a CPU, as a fast stand-alone loop for choosing it: a toy MoE model (~0.66M
 parameters) learns the mission domain `math` at its easiest level (-1: "Compute 47 + 8." with the level's
@@ -13,7 +13,7 @@ The defaults are the `make demo` recipe (configs/grpo.py:demo). The math candida
 through the main job at 300 of its warm-start steps, held-out pass@1 after the warm start was 0.0125 (of
 400 samples: 5 ok, 226 wrong, 169 format errors: the noisy teacher's one wrong character mostly landed in
 "boxed"). Two
-changes made it learn: the noisy teacher now misses a digit of the answer (`rl.sft.corrupt`), and level -1
+changes made it learn: the noisy teacher now misses a digit of the answer (`rl.warm_start.corrupt`), and level -1
 asks for the boxed answer alone (a 38-token prompt), so the arith recipe's budget (1500 steps of 64 rows)
 fits. The arith recipe of before is `--domains 'arith:2;strings:2,3' --seq_len 24 --max_new_tokens 8`.
 
@@ -45,17 +45,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The repo root first: benchmarks/envs.py would shadow the `envs` package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from benchmarks.record import emit
 from configs import grpo as grpo_config  # noqa: E402
 from envs import registry  # noqa: E402
 from inference import Engine, EngineConfig, SamplingParams  # noqa: E402
-from model.tokenizer import ByteTokenizer  # noqa: E402
-from rl import grpo, rollout  # noqa: E402
+from model.io.tokenizer import ByteTokenizer  # noqa: E402
+from rl import (  # noqa: E402
+    grpo,
+    rollout,
+    train_state,  # noqa: E402
+)
 from rl import train_step as ts  # noqa: E402
 from rl.data import HOLDOUT, SELECTION, DomainTasks  # noqa: E402
-from rl.sft import corrupt  # noqa: E402
+from rl.warm_start import corrupt  # noqa: E402
 
 TOK = ByteTokenizer(256)
 EOS = TOK.eos_id
@@ -255,7 +257,7 @@ def main(argv=None) -> dict:
     # Set up model, steps and engine (compiles)
     t0 = time.perf_counter()
     sft_cfg = make_config(args, lr=args.sft_lr, total_steps=args.sft_steps, warmup=args.warmup)
-    model_def, state = ts.init_state(sft_cfg, seed=args.seed)
+    model_def, state = train_state.init_state(sft_cfg, seed=args.seed)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     sft_step = ts.make_sft_step(sft_cfg, model_def)
     ecfg = EngineConfig(
@@ -324,7 +326,7 @@ def main(argv=None) -> dict:
     rl_cfg = make_config(
         args, lr=args.grpo_lr, total_steps=args.grpo_steps, warmup=args.grpo_warmup, b2=args.grpo_b2
     )
-    model_def, state = ts.init_state(rl_cfg, seed=args.seed, params=state.params)
+    model_def, state = train_state.init_state(rl_cfg, seed=args.seed, params=state.params)
     train_step = ts.make_train_step(rl_cfg, model_def)
     per_domain = args.prompts_per_step // len(domains)
     sp_train = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.group_size)
@@ -387,7 +389,7 @@ def main(argv=None) -> dict:
         "history": history,
         "seconds": {k: round(v, 1) for k, v in times.items()},
     }
-    print(json.dumps(result))
+    emit(result)
     log(f"total {times['total']:.0f} s: " + json.dumps(result["seconds"]))
     return result
 

@@ -1,4 +1,4 @@
-"""python benchmarks/learning.py --seeds=0,1,2 --out=benchmarks/results/learning.jsonl
+"""python -m benchmarks learning --seeds=0,1,2 --out=benchmarks/results/learning.jsonl
 
 Does the adaptive curriculum pay (issue 17 item 4)? Multi-domain runs of the main job (`rl.train.train` on
 `configs/grpo.py:demo` with `--domains`), one per (arm, seed): arm `adaptive` (rl.curriculum=adaptive, the
@@ -37,14 +37,13 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 
 import numpy as np
-from record import portable, portable_list
 
-# The repo root first: benchmarks/envs.py would shadow the `envs` package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import record
+from benchmarks.record import portable, portable_list
+from rl import run as run_dir
 
 ARMS = ("adaptive", "static", "pcgrad")
 
@@ -126,12 +125,12 @@ def gradient_cosines(cfg, workdir: str, step: int, rows: int) -> dict[str, float
     import jax.numpy as jnp
 
     from envs import registry
-    from model.tokenizer import load_tokenizer
+    from model.io.tokenizer import load_tokenizer
     from model.transformer import next_token_loss
-    from rl import data, evaluate, sft, train_step
+    from rl import data, losses, train_state, warm_start
 
-    state, _ = evaluate.restore_state(cfg, workdir, step)
-    graphdef, _ = train_step.init_state(cfg, seed=cfg.rl.seed)
+    state, _ = run_dir.restore_state(cfg, workdir, step)
+    graphdef, _ = train_state.init_state(cfg, seed=cfg.rl.seed)
     tokenizer = load_tokenizer(cfg.rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
     grads = {}
     for d in cfg.rl.domains:
@@ -139,11 +138,11 @@ def gradient_cosines(cfg, workdir: str, step: int, rows: int) -> dict[str, float
         stream = data.domain_stream(cfg, d, "train")
         tasks = stream.next_tasks(rows)
         stream.close()
-        examples = [sft.sft_example(t, env, tokenizer, chat=cfg.rl.chat) for t in tasks]
-        batch = {k: jnp.asarray(v) for k, v in sft.sft_batch(examples, rows, cfg.seq_len).items()}
+        examples = [warm_start.sft_example(t, env, tokenizer, chat=cfg.rl.chat) for t in tasks]
+        batch = {k: jnp.asarray(v) for k, v in warm_start.sft_batch(examples, rows, cfg.seq_len).items()}
 
         def loss(params, batch=batch):
-            logits_BTV, _ = train_step.policy_forward(cfg, graphdef, params, batch, replay=False)
+            logits_BTV, _ = losses.policy_forward(cfg, graphdef, params, batch, replay=False)
             return next_token_loss(logits_BTV, batch["tokens_BT"], batch["mask_BT"])
 
         g = jax.grad(loss)(state.params)
@@ -268,16 +267,12 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     lines: list[dict] = []
 
-    def emit(record: dict) -> None:
-        lines.append(record)
-        print(json.dumps(record), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(record) + "\n")
+    def emit(fields: dict) -> None:
+        lines.append(record.emit(fields, out=args.out))
 
     paths = {k: portable(getattr(args, k)) for k in ("workdir", "out", "plot")}  # no machine's paths
     paths["from_jsonl"] = portable_list(args.from_jsonl)
-    emit({"kind": "args", **vars(args), **paths, "load": os.getloadavg()})
+    emit({"kind": "args", **vars(args), **paths})
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {}
     if args.from_jsonl:
         curves = curves_from_jsonl(args.from_jsonl.split(","))
@@ -297,7 +292,7 @@ def main(argv=None) -> list[dict]:
         )
     if args.plot:
         plot(curves, args.plot, args.target)
-    emit({"kind": "end", "load": os.getloadavg()})
+    emit({"kind": "end"})
     return lines
 
 

@@ -1,4 +1,4 @@
-"""python benchmarks/routing_replay.py [--seeds=0,1,2] [--batches=16] [--dtypes=bfloat16,float32]
+"""python -m benchmarks routing_replay [--seeds=0,1,2] [--batches=16] [--dtypes=bfloat16,float32]
 
 Routing replay (`rl.routing_replay`) measured on the same batches with and without the recorded experts.
 
@@ -30,21 +30,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from decode import emit  # noqa: E402
 
+from benchmarks.record import emit, loadavg  # noqa: E402
 from configs import deepseek_v3, grpo  # noqa: E402
 from inference import routing  # noqa: E402
 from model import config as model_config  # noqa: E402
+from rl import run as run_dir
 
 METRICS = (  # the update's `rl.grpo.mismatch_metrics` of each arm; the summary takes the first three
     "mismatch_kl",
@@ -53,10 +52,6 @@ METRICS = (  # the update's `rl.grpo.mismatch_metrics` of each arm; the summary 
     "mismatch_ratio_max",
     "mismatch_ratio_min",
 )
-
-
-def loadavg() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()]
 
 
 def config(seed: int, dtype: str = "float32", replay: bool = True):
@@ -68,12 +63,12 @@ def config(seed: int, dtype: str = "float32", replay: bool = True):
 
 def warm_start(seed: int):
     """The train state after the main job's SFT warm start of `config(seed)`, restored from its checkpoint."""
-    from rl import evaluate, train
+    from rl import train
 
     cfg = config(seed)
     with tempfile.TemporaryDirectory(prefix="routing_replay_") as workdir:
         train.train(cfg, workdir, sft_only=True, run_eval=False)
-        state, _ = evaluate.restore_state(cfg, workdir)
+        state, _ = run_dir.restore_state(cfg, workdir)
     return state
 
 
@@ -94,18 +89,18 @@ def routing_flips(fresh_LBTk: np.ndarray, recorded_LBTk: np.ndarray, fed_BT: np.
 def measure(seed: int, dtype: str, params, model_state, pool, batches: int, out: list[dict]) -> dict:
     """The paired metrics of `batches` rollout batches of one engine; returns the engine's bytes per token."""
     from inference import Engine
-    from model.tokenizer import load_tokenizer
-    from rl import data, rollout, train_step, validate
+    from model.io.tokenizer import load_tokenizer
+    from rl import data, losses, rollout, train_state, train_step, validate
 
     cfg = config(seed, dtype)
     rl = cfg.rl
-    model_def, state = train_step.init_state(cfg, seed=seed, params=params, model_state=model_state)
-    engine = Engine(cfg, train_step.weights(state), validate.engine_config(cfg))
+    model_def, state = train_state.init_state(cfg, seed=seed, params=params, model_state=model_state)
+    engine = Engine(cfg, train_state.weights(state), validate.engine_config(cfg))
     tokenizer = load_tokenizer(None, vocab_size=cfg.model.vocab_size)
     stream = data.domain_stream(cfg, "debug", "train")
     updates = {r: train_step.make_grpo_update(config(seed, dtype, r), model_def) for r in (False, True)}
     fresh = jax.jit(
-        lambda params, rest, batch: train_step.policy_forward(
+        lambda params, rest, batch: losses.policy_forward(
             cfg, model_def, params, batch, replay=False, rest=rest
         )[1]["expert_indices"]
     )
@@ -132,7 +127,7 @@ def measure(seed: int, dtype: str, params, model_state, pool, batches: int, out:
             max_len=cfg.seq_len,
             rows=cfg.batch_size,
             routing=True,
-            window=train_step.logit_window(cfg, cfg.seq_len),
+            window=losses.logit_window(cfg, cfg.seq_len),
         )
         for replay, update in updates.items():
             copy = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # the update donates its state
@@ -195,7 +190,7 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, default=16, help="rollout batches per seed and dtype")
     p.add_argument("--dtypes", default="bfloat16,float32", help="model.compute_dtype values")
     a = p.parse_args(argv)
-    import envs
+    from envs.pool import EnvPool
     from rl import data
 
     seeds = [int(s) for s in a.seeds.split(",") if s]
@@ -203,11 +198,9 @@ def main(argv=None) -> None:
     emit(
         {
             "bench": "routing_replay_run",
-            "command": " ".join(["python", "benchmarks/routing_replay.py", *(argv or sys.argv[1:])]),
             "backend": jax.default_backend(),
             "cpus": os.cpu_count(),
             "loadavg": loadavg(),
-            "date": time.strftime("%Y-%m-%d"),
         }
     )
     t0 = time.perf_counter()
@@ -215,7 +208,7 @@ def main(argv=None) -> None:
     stored: dict = {}
     cfg = config(0)
     pool_args = dict(domains=data.env_kwargs(cfg), timeout_s=cfg.rl.env_timeout_s)
-    with envs.EnvPool(cfg.rl.env_workers, **pool_args) as pool:
+    with EnvPool(cfg.rl.env_workers, **pool_args) as pool:
         for seed in seeds:
             state = warm_start(seed)
             for dtype in dtypes:

@@ -480,7 +480,8 @@ def admit_domains(domains: Sequence[str], *, gate: Callable[[str], Any] | None =
     """`domains` when every one passes `gate(domain)` (default `envs.qa.run_checks`); otherwise raises
     `DomainRefused` naming each refused domain and its failing checks."""
     if gate is None:
-        from envs import qa  # imported here: the gate loads the domains, the scheduler alone needs none
+        # imported here: the gate loads the domains, the scheduler alone needs none
+        from envs.qa import gate as qa
 
         gate = qa.run_checks
     reasons = {}

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -405,3 +406,73 @@ class TaskMixer:
     def close(self) -> None:
         for s in self.streams.values():
             s.close()
+
+
+class TaskSource:
+    """Task streams and curriculum behind one lock (the async producer thread and the trainer share them):
+    tasks whose prompt fits rl.max_prompt_len, the batch counter, and their checkpointed state."""
+
+    def __init__(self, cfg, streams, scheduler, tokenizer):
+        self.cfg, self.streams, self.scheduler, self.tokenizer = cfg, streams, scheduler, tokenizer
+        self.lock = threading.Lock()
+        self.skipped_long = 0
+        self._batch_index = 0
+
+    def next_tasks(self, n: int, weights: dict[str, float] | None = None) -> list:
+        """n tasks split over the domains by the curriculum (or `weights`), skipping (and counting) tasks
+        whose prompt is longer than rl.max_prompt_len tokens."""
+        out = []
+        with self.lock:
+            for _ in range(64):
+                want = n - len(out)
+                allocation = split_by_weights(want, weights) if weights else self.scheduler.allocate(want)
+                for task in self.streams.next_tasks(allocation):
+                    if fits_prompt(task, self.tokenizer, self.cfg):
+                        out.append(task)
+                    else:
+                        self.skipped_long += 1
+                if len(out) == n:
+                    return out
+        raise ValueError(
+            f"rl.max_prompt_len={self.cfg.rl.max_prompt_len} is shorter than nearly every prompt of "
+            f"{self.cfg.rl.domains}; raise it (seq_len = max_prompt_len + max_new_tokens follows)."
+        )
+
+    def next_batch_index(self) -> int:
+        with self.lock:
+            self._batch_index += 1
+            return self._batch_index - 1
+
+    def set_batch_index(self, index: int) -> None:
+        self._batch_index = index
+
+    def update_curriculum(self, step: int, draws: dict) -> dict[str, float]:
+        with self.lock:
+            self.scheduler.observe(step, draws)
+            out = self.scheduler.metrics()
+        out["rollout/skipped_long_prompts"] = float(self.skipped_long)
+        return out
+
+    def state(self, step: int, version: int, **extra) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "step": step,
+                "version": version,
+                "streams": self.streams.get_state(),
+                "curriculum": self.scheduler.state_dict(),
+                **extra,
+            }
+
+    def set_state(self, meta: dict[str, Any]) -> None:
+        self.streams.set_state(meta["streams"])
+        self.scheduler.load_state_dict(meta["curriculum"])
+
+
+def split_by_weights(n: int, weights: dict[str, float]) -> dict[str, int]:
+    """n split by weights, largest remainders first (sums to n)."""
+    total = sum(weights.values())
+    exact = {d: n * w / total for d, w in weights.items()}
+    out = {d: int(x) for d, x in exact.items()}
+    for d in sorted(exact, key=lambda d: exact[d] - out[d], reverse=True)[: n - sum(out.values())]:
+        out[d] += 1
+    return out

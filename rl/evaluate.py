@@ -29,6 +29,7 @@ selection as they would have changed the trainer's.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -39,8 +40,16 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from absl import flags
+
+from configs import cli
 from configs.errors import UserError
-from envs import STATUSES, EnvPool, Score, Task
+from envs import STATUSES, Score, Task
+from envs.pool import EnvPool
+from inference import Engine
+from model.io.tokenizer import load_tokenizer
+from rl import data, distributed, rollout, sampler, train_state, validate
+from rl import run as run_dir
 
 EVAL_FILE = "eval.json"
 EVAL_SEED = 12345  # the sampling seed of the held-out evaluation, here and in rl.train
@@ -133,8 +142,6 @@ def evaluate(
     """{domain: summary} for `k` samples of every task (`sampling.n` is replaced by k); domain by domain,
     so each domain's cost (wall time, prefix-cache hit rate) is its own. `greedy`: one greedy completion
     per task instead (temperature 0, k = 1), so pass@1 is the greedy accuracy."""
-    from rl import rollout as rollout_lib
-
     if greedy:
         k, sampling = 1, dataclasses.replace(sampling, temperature=0.0)
     results = {}
@@ -143,7 +150,7 @@ def evaluate(
             raise ValueError(f"no tasks to evaluate for domain {domain!r}")
         before = _prefix_counts(engine)
         start = time.monotonic()
-        samples = rollout_lib.rollout(
+        samples = rollout.rollout(
             engine, pool, list(tasks), tokenizer, n=k, sampling=sampling, max_turns=max_turns, chat=chat
         )
         seconds = time.monotonic() - start
@@ -157,6 +164,32 @@ def evaluate(
         row["prefix_cache_hit_rate"] = hit_rate
         results[domain] = row
     return results
+
+
+def heldout(
+    cfg, engine, env, tokenizer, tasks_by_domain, *, greedy: bool = False
+) -> dict[str, dict[str, Any]]:
+    """The main job's held-out evaluation: rl.eval.k samples per task at rl.temperature (seed `EVAL_SEED`),
+    or (`greedy`) one at temperature 0."""
+    rl = cfg.rl
+    return evaluate(
+        engine,
+        env,
+        tokenizer,
+        tasks_by_domain,
+        k=rl.eval.k,
+        sampling=rollout.sampling_params(rl, tokenizer, seed=EVAL_SEED),
+        max_turns=rl.max_turns,
+        chat=rl.chat,
+        greedy=greedy,
+    )
+
+
+def write_heldout(workdir: str, tag: str, greedy: bool, results: Mapping[str, Any]) -> None:
+    """`<workdir>/eval_<tag>[_greedy].json` (rl.train's `eval_before.json`, `eval_after_greedy.json`, ...)."""
+    name = f"eval_{tag}_greedy.json" if greedy else f"eval_{tag}.json"
+    with open(os.path.join(workdir, name), "w") as f:
+        json.dump(results, f, indent=2, default=float)
 
 
 def flatten(results: Mapping[str, Mapping[str, Any]], prefix: str = "eval") -> dict[str, float]:
@@ -238,20 +271,6 @@ def format_before_after(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def load_run_config(workdir: str) -> Any:
-    """The config `rl.train` saved in `<workdir>/config.json`, as an ml_collections ConfigDict."""
-    import ml_collections
-
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise UserError(
-            f"--workdir={workdir} is not a run of rl.train ({path} not found: rl.train writes it when a run "
-            "starts); point --workdir at a run directory"
-        )
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
-
-
 def with_overrides(
     cfg: Any,
     *,
@@ -262,8 +281,6 @@ def with_overrides(
     max_new_tokens: int | None = None,
 ) -> Any:
     """A copy of the run's config with the CLI's overrides (unset ones keep the run's value)."""
-    import copy
-
     cfg = copy.deepcopy(cfg)
     rl = cfg.rl
     with cfg.unlocked():
@@ -278,32 +295,6 @@ def with_overrides(
         if max_new_tokens:
             rl.max_new_tokens = max_new_tokens
     return cfg
-
-
-def restore_state(
-    cfg: Any, workdir: str, step: int | None = None, *, mesh: Any = None
-) -> tuple[Any, dict[str, Any]]:
-    """(train state, meta) of the run in `workdir`: its checkpoint at `step` (default: the latest), restored
-    for `cfg`, the run's config (the model config rl.train checkpoints with: a checkpoint of another model
-    is refused, by field), on `mesh` (the trainer's, `rl.distributed.trainer_mesh`) or one device.
-    `rl.export` writes the state as a Hugging Face checkpoint."""
-    from rl import checkpoint, train_state
-    from rl import train as train_lib
-
-    _, state = train_state.init_state(cfg, mesh=mesh, seed=cfg.rl.seed)
-    ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, model_config=cfg.model, mesh=mesh)
-    try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise UserError(f"--workdir={workdir} has no checkpoint in {ckpt_dir}: train first (rl.train)")
-        if step is not None and step not in steps:
-            raise UserError(f"--step={step}: {ckpt_dir} holds checkpoints of steps {sorted(steps)}")
-        meta = ckpt.read_meta(step)
-        tree, meta = ckpt.restore(step, target_state=train_lib.checkpoint_target(cfg, state, meta))
-    finally:
-        ckpt.close()
-    return train_lib.unpack(tree)[0], meta
 
 
 def run(
@@ -322,9 +313,7 @@ def run(
     """Evaluates the checkpoint of `workdir` (latest, or `step`) on the run's held-out tasks; writes and
     returns {"step", "results"}. Unset arguments come from the run's config (`cfg`, else
     `<workdir>/config.json`)."""
-    from rl import data, distributed
-
-    cfg = cfg if cfg is not None else load_run_config(workdir)
+    cfg = cfg if cfg is not None else run_dir.read_config(workdir)
     cfg = with_overrides(
         cfg, domains=domains, n_tasks=n_tasks, k=k, temperature=temperature, max_new_tokens=max_new_tokens
     )
@@ -334,13 +323,9 @@ def run(
     mesh = distributed.trainer_mesh(cfg)
     # The pool forks its workers before JAX creates any array (envs/pool.py).
     with EnvPool(rl.env_workers, domains=env_kwargs, timeout_s=rl.env_timeout_s) as pool:
-        from inference import Engine
-        from model.io.tokenizer import load_tokenizer
-        from rl import rollout, sampler, train_state, validate
-
         tokenizer = load_tokenizer(rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
         tasks = data.heldout_tasks(cfg, tokenizer)
-        state, meta = restore_state(cfg, workdir, step, mesh=mesh)
+        state, meta = run_dir.restore_state(cfg, workdir, step, mesh=mesh)
         # The main job's sampler layout (rl.engine.mesh); with the selection biases: the engine refuses a
         # sigmoid-router model's params without them.
         place, engine_cfg = sampler.layout(cfg, mesh), validate.engine_config(cfg)
@@ -367,24 +352,15 @@ def run(
 
 
 def main() -> None:
-    from absl import flags
-    from ml_collections import config_flags
-
-    from configs import cli
 
     # Before rl.train's --config (its default config file is read, with the overrides, when it is defined).
     # Without --config every override applies to the run's config.json (configs/cli.py), e.g.
     # --config.rl.env.math.test_jsonl=other.jsonl
     cli.take_block_overrides(sys.argv, every=not cli.config_given(sys.argv))
-    # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
-    # import it first, and let ours replace its --config and --workdir.
-    from rl import train  # noqa: F401
-
-    config = config_flags.DEFINE_config_file(
-        "config", None, "Config file (default: <workdir>/config.json).", allow_override=True
-    )
-    workdir = flags.DEFINE_string(
-        "workdir", None, "Run directory (config.json, checkpoints/).", allow_override=True
+    config, workdir = run_dir.define_flags(
+        None,
+        config_help="Config file (default: <workdir>/config.json).",
+        workdir_help="Run directory (config.json, checkpoints/).",
     )
     domains = flags.DEFINE_list("domains", None, "Domains to evaluate (default: the run's rl.domains).")
     n_tasks = flags.DEFINE_integer("n_tasks", None, "Held-out tasks per domain (default: rl.eval.n_tasks).")
@@ -401,7 +377,7 @@ def main() -> None:
         cli.quiet_console(workdir.value)
         cfg = config.value
         if cfg is None and cli.taken():
-            cfg = load_run_config(workdir.value)
+            cfg = run_dir.read_config(workdir.value)
         report = run(
             workdir.value,
             cfg=cli.with_block_overrides(cfg),

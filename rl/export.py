@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from configs.errors import UserError, require
+from rl import run as run_dir
 
 # What `model.io.tokenizer.HFTokenizer.from_dir` reads (generation_config.json: extra stop ids), and the slow
 # tokenizer files transformers reads when tokenizer.json is absent.
@@ -82,9 +83,9 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     every process calls it alike (see the module docstring) and returns once `out` is complete."""
     require("safetensors", "python -m rl.export (Hugging Face checkpoints)")
     from model.io import hf, hf_config
-    from rl import distributed, evaluate, train_state
+    from rl import distributed, train_state
 
-    cfg = cfg if cfg is not None else evaluate.load_run_config(workdir)
+    cfg = cfg if cfg is not None else run_dir.read_config(workdir)
     try:
         hf_config.to_hf(cfg)
     except ValueError as e:
@@ -94,7 +95,7 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     if os.path.isdir(out) and os.listdir(out):
         raise ExportRefused(f"--out={out} is a directory with files in it; give a new or empty directory")
     distributed.initialize()
-    state, meta = evaluate.restore_state(cfg, workdir, step, mesh=_mesh(cfg))
+    state, meta = run_dir.restore_state(cfg, workdir, step, mesh=_mesh(cfg))
     tokenizer = cfg.rl.tokenizer
     has_tokenizer = bool(tokenizer) and os.path.isdir(tokenizer)
     with _staged(out) as staging:

@@ -28,7 +28,7 @@ import ml_collections
 import numpy as np
 
 from configs import schema
-from configs.schema import Choice, Float, Int
+from configs.fields import LOSS
 from inference import sampling
 
 Array = jax.Array
@@ -453,32 +453,6 @@ def mismatch_metrics(
 
 
 # --- Config ------------------------------------------------------------------------------------------------
-
-
-# The `rl.loss` block: every field's default, meaning and allowed values (configs/schema.py).
-LOSS = {
-    "clip_low": Float(0.2, "the ratio is clipped below at 1 - clip_low (PPO)", lo=0),
-    "clip_high": Float(0.28, "... and above at 1 + clip_high (DAPO clip-higher: > clip_low)", lo=0),
-    "ratio": Choice(
-        "token", "token ratios, or GSPO's length-normalised sequence ratio", schema.registered(RATIOS)
-    ),
-    "aggregation": Choice(
-        "token-mean", "how token losses become the batch loss", schema.registered(AGGREGATIONS)
-    ),
-    "max_tokens": Int(0, "the constant divisor of seq-mean-token-sum-norm (> 0 there, else unused)", lo=0),
-    "kl_kind": Choice("none", "KL estimator to the frozen step-0 reference", schema.registered(KL, "none")),
-    "kl_coef": Float(0.0, "weight of the KL term", lo=0),
-    "correction": Choice(
-        "tis",
-        "weights from the sampler's log-probs (train-inference mismatch)",
-        schema.registered(CORRECTIONS),
-    ),
-    "correction_low": Float(
-        0.5, "lower edge of the icepop / seq-mask / seq-reject band", lo=0, hi=1, lo_open=True
-    ),
-    "correction_high": Float(2.0, "upper edge of that band", lo=1),
-    "tis_cap": Float(2.0, "cap of tis and seq-mask weights; tis with 0 is off", lo=0),
-}
 
 
 def default_loss_config() -> ml_collections.ConfigDict:

@@ -29,11 +29,20 @@ import dataclasses
 import functools
 import math
 import pickle
+import time
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from configs.schema import ConfigError
+from inference import GroupDrafter, ModelDrafter, MTPDrafter, NgramDrafter
+from inference import engine as engine_lib
+from inference.drafters import model_weights
+from inference.weight_sync import WeightSync, moved_bytes
+from model.sharding import make_mesh
+from rl import distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +61,6 @@ class Layout:
 
     @property
     def leader(self) -> bool:
-        import jax
-
         return jax.process_index() == self.members[0]
 
     @property
@@ -79,8 +86,6 @@ class Layout:
     def engine_weights(self, weights, model_cfg, engine_cfg):
         """`weights` (the trainer's `train_state.weights`, of the model `model_cfg`) for an `Engine(...,
         mesh=self.mesh, placed=self.placed)` to be built with `engine_cfg` (`to_engine`)."""
-        from inference import engine as engine_lib
-
         if not self.placed:
             return weights
         return self.to_engine(weights, engine_lib.weight_shardings(model_cfg, engine_cfg, self.mesh))
@@ -119,8 +124,6 @@ class Layout:
     @functools.cached_property
     def _stage_mesh(self):
         """The trainer's devices as (copies, G, *engine mesh): see the module docstring."""
-        from jax.sharding import Mesh
-
         engine_grid = np.stack([m.devices for m in self.engines])  # [G, *engine mesh]
         trainer = list(self.trainer.devices.flat)
         if self._colocated:
@@ -152,8 +155,6 @@ class Layout:
         return Mesh(grid, names, axis_types=self.trainer.axis_types[:1] * len(names))
 
     def _staged(self, spec):
-        from jax.sharding import NamedSharding
-
         return NamedSharding(self._stage_mesh, spec)
 
     def _unstage(self, staged, target):
@@ -173,18 +174,12 @@ class Layout:
 
 @functools.lru_cache(maxsize=16)
 def _resharder(shardings: tuple):
-    import jax
-
-    from rl import distributed
-
     return distributed.Together(jax.jit(lambda xs: list(xs), out_shardings=list(shardings)), "weight-push")
 
 
 def _moved(x, staged, colocated: bool) -> int:
     """Bytes the engines' devices receive: what their stage devices lacked under `x`'s sharding (colocated),
     or every byte of their shards (disaggregated: all of it crosses to other devices)."""
-    from inference.weight_sync import moved_bytes
-
     shape, size = tuple(x.shape), x.dtype.itemsize
     if colocated:
         return moved_bytes(x.sharding, staged, shape, size)
@@ -202,11 +197,6 @@ def _first_copy_elements(staged, shape: tuple) -> int:
 def layout(cfg, trainer) -> Layout:
     """The run's sampler layout from `rl.engine.mesh`, `rl.sampler_devices` and the trainer's mesh; errors
     name the field."""
-    import jax
-
-    from model.sharding import make_mesh
-    from rl import distributed
-
     spec = cfg.rl.engine.mesh
     count = jax.process_count()
     per = int(spec.processes) or count
@@ -281,3 +271,39 @@ class SharedPool:
         if self._calls > 1:
             client.key_value_delete(key(self._calls - 1))
         return out
+
+
+def make_drafter(engine_cfg, draft_cfg, draft_state, sampler_weights):
+    kind = engine_cfg.draft
+    if kind == "mtp":
+        return MTPDrafter()
+    if kind == "ngram":
+        return NgramDrafter(engine_cfg.draft_ngram)
+    if kind == "group":
+        return GroupDrafter(engine_cfg.draft_ngram)
+    if kind == "model":
+        return ModelDrafter(draft_cfg, sampler_weights(draft_state, draft=True))
+    return None
+
+
+def weight_push(cfg, engine, place, processes: int):
+    """`push(weights) -> metrics`: the trainer's weights to the engine after each update. One process: the
+    engine is on the trainer's devices (colocated: one jitted reshard to the inference layout) or on its own
+    (rl.sampler_devices: disaggregated, device to device), every leaf or, with rl.weight_sync_delta >= 0, the
+    changed ones (`inference.WeightSync`). Across processes: one jitted push to every engine's layout at once
+    (`rl.sampler.Layout.push`), taken by the engine as it is."""
+    rl = cfg.rl
+    if processes > 1:
+
+        def push_placed(weights) -> dict:
+            t0 = time.perf_counter()
+            weights = model_weights("params", weights, engine.params, keep=engine.params)
+            local, moved = place.push(weights, engine.weight_shardings())
+            engine.update_params(local, placed=True)
+            return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(moved)}
+
+        return push_placed
+    mode = "disaggregated" if rl.sampler_devices else "colocated"
+    delta = float(rl.weight_sync_delta) if rl.weight_sync_delta >= 0 else None
+    sync = WeightSync(engine, mode, delta_threshold=delta)
+    return lambda weights: {k: float(v) for k, v in sync.push(weights).items()}

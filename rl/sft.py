@@ -1,123 +1,33 @@
 """python -m rl.sft --config=configs/grpo.py:test --workdir=runs/test
 
-Supervised warm start on reference solutions: each example is the task's prompt (as the sampler sees it,
-`rl.rollout.format_prompt`) followed by `Environment.reference_solution(task)` and the end-of-sequence
-token; the loss is the cross-entropy of the solution tokens only (`rl.train_step.make_sft_step`, the same
-state and optimizer as GRPO), plus rl.sft.mtp_weight times the multi-token-prediction modules' loss on the
-same tokens. Multi-turn domains are trained on their action lines as one completion.
-
-As a CLI it runs `cfg.rl.sft.steps` steps on tasks from the train split of `cfg.rl.domains` and saves a
-checkpoint (step 0 of the GRPO run) into `<workdir>/checkpoints`, which `python -m rl.train` resumes from.
+The main job's SFT warm start alone (`rl.train.train(..., sft_only=True)`): `cfg.rl.sft.steps` steps on tasks
+of the train split of `cfg.rl.domains` (`rl.warm_start`), saved as the checkpoint of step 0 in
+`<workdir>/checkpoints`, which `python -m rl.train` resumes from.
 """
 
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
-import numpy as np
-
-from envs import Task, registry
-
-
-def corrupt(text: str, rng: np.random.Generator) -> str:
-    """`text` with one digit replaced by another (a noisy teacher's miss); a text without digits has one
-    lowercase letter replaced instead. Digits first: in "\\boxed{55}" a miss is a wrong answer, not a
-    misspelt format (the answers of `arith` are all digits, those of `strings` all letters)."""
-    spots = [i for i, c in enumerate(text) if c.isdigit()]
-    spots = spots or [i for i, c in enumerate(text) if "a" <= c <= "z"]
-    if not spots:
-        return text
-    i = spots[rng.integers(len(spots))]
-    pool = "0123456789" if text[i].isdigit() else "abcdefghijklmnopqrstuvwxyz"
-    return text[:i] + rng.choice([c for c in pool if c != text[i]]) + text[i + 1 :]
+from configs import cli
+from configs.errors import UserError
+from rl import run, train
 
 
-def sft_example(
-    task: Task, env, tokenizer, *, chat: bool, noise: float = 0.0, rng: np.random.Generator | None = None
-) -> tuple[list[int], list[int]]:
-    """(tokens, mask): prompt + reference solution + eos; mask 1 on the solution and eos tokens. With
-    `noise` > 0 that fraction of solutions has one character wrong (`corrupt`): a noisy teacher."""
-    from rl import rollout
-
-    prompt = rollout.format_prompt(task, tokenizer, chat=chat)
-    text = env.reference_solution(task)
-    if noise and rng.random() < noise:
-        text = corrupt(text, rng)
-    solution = tokenizer.encode(text) + [tokenizer.eos_id]
-    return prompt + solution, [0] * len(prompt) + [1] * len(solution)
-
-
-def sft_batch(
-    examples: Sequence[tuple[list[int], list[int]]], rows: int, length: int
-) -> dict[str, np.ndarray]:
-    """Right-padded [rows, length] arrays; examples longer than `length` keep their last `length` tokens
-    (the solution end); missing rows are all padding (mask 0)."""
-    tokens = np.zeros((rows, length), np.int32)
-    mask = np.zeros((rows, length), np.float32)
-    for r, (toks, m) in enumerate(examples[:rows]):
-        toks, m = toks[-length:], m[-length:]
-        tokens[r, : len(toks)] = toks
-        mask[r, : len(m)] = m
-    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
-    return {"tokens_BT": tokens, "positions_BT": positions, "mask_BT": mask}
-
-
-def run_sft(
-    cfg,
-    model_def,
-    state,
-    next_tasks: Callable[[int], list[Task]],
-    tokenizer,
-    *,
-    steps: int,
-    rows: int,
-    length: int,
-    log: Callable[[int, dict], None] | None = None,
-    chat: bool = False,
-    noise: float = 0.0,
-    seed: int = 0,
-    start: int = 0,
-    should_stop: Callable[[], bool] | None = None,
-    env_kwargs: Mapping[str, Mapping] | None = None,
-    mtp_weight: float = 0.0,
-    mesh=None,
-):
-    """SFT updates `start`..`steps - 1` on fresh tasks each step; returns (state, steps done). Stops early
-    when `should_stop()` turns true (a preemption: the caller saves and resumes from the count). Step i's
-    noise draws come from (seed, i), so a resumed run makes the same examples. `mtp_weight` > 0 adds the
-    MTP modules' loss (rl.sft.mtp_weight; metric `sft/mtp_loss`)."""
-    from rl import train_step
-
-    step_fn = train_step.make_sft_step(cfg, model_def, mtp_weight=mtp_weight, mesh=mesh)
-    envs_by_domain: dict[str, object] = {}
-    env_kwargs = env_kwargs or {}
-    for i in range(start, steps):
-        if should_stop is not None and should_stop():
-            return state, i
-        rng = np.random.default_rng([seed, i])
-        tasks = next_tasks(rows)
-        examples = []
-        for task in tasks:
-            if task.domain not in envs_by_domain:
-                envs_by_domain[task.domain] = registry.make(task.domain, **env_kwargs.get(task.domain, {}))
-            env = envs_by_domain[task.domain]
-            examples.append(sft_example(task, env, tokenizer, chat=chat, noise=noise, rng=rng))
-        t0 = time.perf_counter()
-        state, metrics = step_fn(state, sft_batch(examples, rows, length))
-        if log is not None:
-            metrics = {f"sft/{k}": float(v) for k, v in metrics.items()}
-            metrics["sft/step_s"] = time.perf_counter() - t0
-            log(i, metrics)
-    return state, steps
+def main(argv: Sequence[str]) -> int:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments {list(argv[1:])}; flags look like --workdir=DIR")
+    if not _WORKDIR.value:
+        raise UserError("--workdir is required: the run directory (checkpoints, metrics)")
+    cli.quiet_console(_WORKDIR.value)
+    train.train(cli.with_block_overrides(_CONFIG.value), _WORKDIR.value, sft_only=True)
+    return 0
 
 
 if __name__ == "__main__":
-    from configs import cli
-
-    # Before rl.train defines --config: with no --config its default file is read (and overridden) then.
-    cli.take_block_overrides(sys.argv)
-    from rl import train
-
-    cli.run(train.main, argv=sys.argv + ["--sft_only"])
+    cli.take_block_overrides(sys.argv)  # before --config: its default is read (and overridden) when defined
+    _CONFIG, _WORKDIR = run.define_flags(
+        "configs/grpo.py:test", config_help="GRPO config file.", workdir_help="Run directory (checkpoints)."
+    )
+    cli.run(main)

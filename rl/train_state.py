@@ -34,9 +34,10 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import schema
-from configs.schema import Float, Int
+from configs.fields import OPTIM
 from model import seeds, sharding
 from model.transformer import Transformer, build
+from rl import distributed
 
 Batch = dict[str, jax.Array]
 
@@ -103,22 +104,6 @@ class ModelDef(NamedTuple):
 
 def as_model_def(graphdef: ModelDef | nnx.GraphDef) -> ModelDef:
     return graphdef if isinstance(graphdef, ModelDef) else ModelDef(graphdef, nnx.State({}))
-
-
-# The `rl.optim` block (and the overrides of `rl.sft.optim`): AdamW, warmup + cosine schedule, clipping.
-OPTIM = {
-    "lr": Float(
-        3e-4, "peak learning rate (RL on a pretrained model: ~1e-6..1e-5; small: 1e-5)", lo=0, lo_open=True
-    ),
-    "b1": Float(0.9, "Adam first-moment decay", lo=0, hi=1, hi_open=True),
-    "b2": Float(0.999, "Adam second-moment decay", lo=0, hi=1, hi_open=True),
-    "eps": Float(1e-8, "Adam denominator epsilon", lo=0, lo_open=True),
-    "weight_decay": Float(0.01, "decoupled weight decay (AdamW), scaled by the scheduled lr", lo=0),
-    "warmup_steps": Int(10, "linear warmup: step s < warmup_steps uses lr * (s + 1) / warmup_steps", lo=0),
-    "total_steps": Int(1000, "cosine decay ends here (> warmup_steps); min_lr_ratio * lr after", lo=1),
-    "min_lr_ratio": Float(0.1, "final lr as a fraction of the peak", lo=0, hi=1),
-    "max_grad_norm": Float(1.0, "global-norm gradient clipping before AdamW", lo=0, lo_open=True),
-}
 
 
 def check_optim(o: ml_collections.ConfigDict, prefix: str = "rl.optim") -> None:
@@ -253,3 +238,40 @@ def abstract_state(cfg, optimizer) -> TrainState:
     _, params, rest = nnx.split(model, nnx.Param, ...)
     step, key = jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(jax.random.key, 0)
     return TrainState(params, jax.eval_shape(optimizer.init, params), step, key, rest)
+
+
+def sft_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`cfg` with the SFT optimizer (rl.sft.optim over rl.optim)."""
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.rl.optim.update(dict(cfg.rl.sft.optim))
+    return out
+
+
+def sft_state(cfg, seed: int, *, params=None, model_state=None, mesh=None):
+    """(model def, train state) with the SFT optimizer (rl.sft.optim over rl.optim)."""
+    return init_state(sft_config(cfg), mesh=mesh, seed=seed, params=params, model_state=model_state)
+
+
+def load_pretrained(cfg, mesh=None, say=None, logger=None) -> dict:
+    """`init_state`'s params and model_state (the sigmoid routers' selection biases) from the rl.init_from
+    checkpoint, laid out by cfg's runtime model fields and read slice by slice straight into the trainer's
+    shardings on `mesh` (each process reads only what its devices hold; init_state then moves nothing), or
+    onto the default device. The bytes each process read are said and logged (`init_from/*`, step 0)."""
+    from model.io import hf  # the hf extra: imported when a run loads a checkpoint
+
+    params, model_state, stats = hf.load_sharded(cfg.rl.init_from, cfg, mesh)
+    read = distributed.allgather([stats.bytes_read])[:, 0]
+    if say is not None:
+        said = ", ".join(f"{int(n):,}" for n in read)
+        say(f"rl.init_from: read {said} of the checkpoint's {stats.tensor_bytes:,} bytes (per process)")
+    if logger is not None:
+        logger.log(
+            0,
+            {
+                "init_from/bytes_read_max": float(read.max()),
+                "init_from/bytes_read_total": float(read.sum()),
+                "init_from/checkpoint_bytes": float(stats.tensor_bytes),
+            },
+            progress=False,
+        )
+    return {"params": params, "model_state": model_state}

@@ -1,10 +1,11 @@
 """The main job's config, checked in one place before any work (no pool, no model, no SFT: well under 1 s).
 
 `validate(cfg)` raises a `ConfigError` naming the first bad field and the fix: every field against its table
-(`configs.base.MODEL`, `configs.grpo.RL`: type, range, choices; unknown names refused), then the rules that
-tie fields together (divisors of the batch, domains named in two places, environment kwargs against the
-constructor, the engine's sizes, the draft model, the MTP loss). `rl.train` (and `rl.sft` through it) calls
-it first. With rl.init_from the model fields checked are the checkpoint's (`init_from_config`).
+(`configs.fields.MODEL`, `configs.fields.RL`: type, range, choices; unknown names refused), then each choice
+a registry implements against that registry (`check_registries`), then the rules that tie fields together
+(divisors of the batch, domains named in two places, environment kwargs against the constructor, the
+engine's sizes, the draft model, the MTP loss). `rl.train` (and `rl.sft` through it) calls it first. With
+rl.init_from the model fields checked are the checkpoint's (`init_from_config`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ import os
 
 import ml_collections
 
+from configs import schema
+from configs.engine import EngineConfig
 from configs.errors import require
+from configs.fields import RL
+from model.attention import ATTENTION_IMPLS
 from model.config import ConfigError
+from rl import grpo
 
 DECODE_STEPS = 8  # rl.engine.decode_steps=0 without a drafter or with draft="model": steps per device call
 MANY_STEP_DRAFTS = ("none", "model")  # rl.engine.draft values whose engine runs several steps per call
@@ -36,8 +42,6 @@ def _get(node, dotted: str):
 def engine_config(cfg: ml_collections.ConfigDict):
     """`inference.EngineConfig` of the main job: rl.engine less the draft fields, sized for seq_len, with
     routing recorded when rl.routing_replay is on."""
-    from inference import EngineConfig
-
     fields = {k: v for k, v in cfg.rl.engine.items() if k not in ENGINE_EXTRAS}
     fields["max_seq_len"] = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
     if not fields.get("decode_steps"):
@@ -100,16 +104,15 @@ def init_from_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDic
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first field that cannot work (see the module docstring)."""
-    from configs import grpo as grpo_config
-    from configs import schema
     from envs import registry
     from model import config as model_config
-    from rl import curriculum, grpo, train_state
+    from rl import curriculum, train_state
 
-    schema.check(cfg.rl, grpo_config.RL, "rl")
+    schema.check(cfg.rl, RL, "rl")
     cfg = init_from_config(cfg)
     rl = cfg.rl
     model_config.validate_model(cfg.model)
+    check_registries(cfg)
     rows = rl.prompts_per_step * rl.group_size
     _check(
         rows % rl.mini_batches == 0,
@@ -154,6 +157,30 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     )
     _check_domains(cfg, registry, curriculum)
     _check_engine(cfg)
+
+
+def registries() -> dict[str, tuple[str, dict]]:
+    """Config field -> (the registry's name, the registry) for every choice the tables list as plain strings
+    (`configs.fields`) and a registry implements; rl.domains is resolved by `_check_domains`."""
+    return {
+        "model.attention_impl": ("model.attention.ATTENTION_IMPLS", ATTENTION_IMPLS),
+        "rl.advantage_std": ("rl.grpo.ADVANTAGES", grpo.ADVANTAGES),
+        "rl.loss.ratio": ("rl.grpo.RATIOS", grpo.RATIOS),
+        "rl.loss.aggregation": ("rl.grpo.AGGREGATIONS", grpo.AGGREGATIONS),
+        "rl.loss.kl_kind": ("rl.grpo.KL", {**grpo.KL, "none": None}),
+        "rl.loss.correction": ("rl.grpo.CORRECTIONS", grpo.CORRECTIONS),
+    }
+
+
+def check_registries(cfg: ml_collections.ConfigDict) -> None:
+    """Each choice the table allows names an entry of the registry that implements it: a ConfigError naming
+    the field, the registry and its names otherwise (the table and the registry have drifted apart)."""
+    for field, (where, registry) in registries().items():
+        value = _get(cfg, field)
+        if value not in registry:
+            raise ConfigError(
+                f"{field}={value!r} is not registered in {where}; choose one of {sorted(registry)}"
+            )
 
 
 # GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): sequence-level ratios, averaged per

@@ -5,8 +5,10 @@ import math
 
 import pytest
 
-from envs import STATUSES, EnvPool, Score, Task, registry
+from envs import STATUSES, Score, Task, registry
+from envs.pool import EnvPool
 from rl import evaluate, metrics, plot
+from rl import run as run_dir
 
 # ---------------------------------------------------------------------------------------------------------
 # pass@k
@@ -119,13 +121,13 @@ def test_missing_run_config_names_file_and_fix(tmp_path):
     from configs.errors import UserError
 
     with pytest.raises(UserError, match=r"--workdir=.* is not a run of rl.train \(.*config\.json not found"):
-        evaluate.load_run_config(str(tmp_path))
+        run_dir.read_config(str(tmp_path))
 
 
 def test_overrides_change_a_copy_and_the_heldout_selection():
     import ml_collections
 
-    from model.tokenizer import ByteTokenizer
+    from model.io.tokenizer import ByteTokenizer
     from rl import data
 
     rl = {"domains": ("arith", "strings"), "seed": 0, "chat": False, "max_prompt_len": 16, "temperature": 1.0}
@@ -185,7 +187,7 @@ class _ScriptedEngine:
 
 def test_evaluate_scores_scripted_completions(pool):
     from inference import SamplingParams
-    from model.tokenizer import ByteTokenizer
+    from model.io.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer(256)
     math_env = registry.make("math")
@@ -219,7 +221,7 @@ def test_evaluate_tiny_model_end_to_end(pool):
     import model
     from configs import tiny
     from inference import Engine, EngineConfig, SamplingParams
-    from model.tokenizer import ByteTokenizer
+    from model.io.tokenizer import ByteTokenizer
 
     cfg = tiny.get_config()
     params = nnx.state(model.build(cfg, seed=0), nnx.Param)

@@ -30,6 +30,7 @@ from safetensors.numpy import load_file, save_file
 from configs import grpo
 from configs.errors import UserError
 from configs.schema import ConfigError
+from rl import run as run_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -181,17 +182,17 @@ def _cfg(checkpoint_dir):
 
 def _restored(cfg, workdir, step: int):
     """(train state, reference weights) of the run's checkpoint at `step`, restored as rl.train does."""
-    from rl import checkpoint, train, train_step
+    from rl import checkpoint, train_state
 
-    _, state = train_step.init_state(cfg, seed=cfg.rl.seed)
+    _, state = train_state.init_state(cfg, seed=cfg.rl.seed)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=1, model_config=cfg.model)
     try:
         tree, meta = ckpt.restore(
-            step, target_state=train.checkpoint_target(cfg, state, ckpt.read_meta(step))
+            step, target_state=run_dir.checkpoint_target(cfg, state, ckpt.read_meta(step))
         )
     finally:
         ckpt.close()
-    state, ref, _ = train.unpack(tree)
+    state, ref, _ = run_dir.unpack(tree)
     return state, ref
 
 
@@ -201,19 +202,21 @@ def _bias(tree, block: int = 0) -> np.ndarray:
 
 
 def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, monkeypatch):
-    from model import hf
-    from rl import evaluate, export, sft, train, train_step
+    from model.io import hf
+    from rl import export, train, train_state, warm_start
 
     path, net, extra = checkpoint
     batches = []  # the SFT batches, recorded around the real function
-    make_batch = sft.sft_batch
-    monkeypatch.setattr(sft, "sft_batch", lambda *a, **k: batches.append(make_batch(*a, **k)) or batches[-1])
+    make_batch = warm_start.sft_batch
+    monkeypatch.setattr(
+        warm_start, "sft_batch", lambda *a, **k: batches.append(make_batch(*a, **k)) or batches[-1]
+    )
     workdir = tmp_path / "run"
     out = train.train(_cfg(path), str(workdir), run_eval=False)
     assert out["steps"] == 2 and out["engine"]["compiles_after_warmup"] == 0
     assert out["engine"]["accepted_tokens"] > 0, out["engine"]  # the MTP drafts were verified and taken
 
-    run_cfg = evaluate.load_run_config(str(workdir))  # what rl.train ran with
+    run_cfg = run_dir.read_config(str(workdir))  # what rl.train ran with
     assert run_cfg.model.attention_kind == "mla" and run_cfg.model.mtp_layers == 1
     assert run_cfg.model.d_model == D and run_cfg.model.vocab_size == VOCAB  # the checkpoint's, not tiny's
     assert run_cfg.rl.tokenizer == str(path)  # its tokenizer.json (rl.tokenizer was "")
@@ -270,7 +273,7 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
         load_file(str(path / "model.safetensors")),
     )
     assert sorted(tensors) == sorted(original)  # MTP module included
-    state, _ = evaluate.restore_state(run_cfg, str(workdir))
+    state, _ = run_dir.restore_state(run_cfg, str(workdir))
     bias = f"model.layers.{LAYERS - 1}.mlp.gate.e_score_correction_bias"
     # The test config unrolls its layers: one bias per MoE layer (the stacked layout is test_hf's).
     trained = np.asarray(state.model_state["moe_layers"]["blocks"][0]["mlp"]["expert_bias"][...])
@@ -278,7 +281,7 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
     assert not np.array_equal(tensors[bias], original[bias])  # moved by training
     assert not np.array_equal(tensors["lm_head.weight"], original["lm_head.weight"])
 
-    model_def, _ = train_step.init_state(run_cfg, seed=run_cfg.rl.seed)
+    model_def, _ = train_state.init_state(run_cfg, seed=run_cfg.rl.seed)
     toks = np.random.RandomState(1).randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         want = _hf_model(exported)(torch.tensor(toks)).logits.numpy()
@@ -289,7 +292,7 @@ def test_init_from_takes_the_checkpoints_model_but_the_runtime_fields(checkpoint
     """The run's model is the checkpoint's whatever the config's was, except the runtime fields (here the
     unscanned layer layout of configs/small.py), by which the weights are laid out: the model built from
     them computes transformers' logits."""
-    from rl import train, train_step, validate
+    from rl import train_state, validate
 
     path, _, _ = checkpoint
     cfg = grpo.get_config("test")
@@ -303,8 +306,8 @@ def test_init_from_takes_the_checkpoints_model_but_the_runtime_fields(checkpoint
     assert cfg.model.num_layers == 7  # the caller's config is not changed
     validate.validate(cfg)
 
-    pretrained = train._pretrained(run)
-    model_def, state = train_step.init_state(run, seed=0, **pretrained)
+    pretrained = train_state.load_pretrained(run)
+    model_def, state = train_state.init_state(run, seed=0, **pretrained)
     assert list(state.params["moe_layers"]["blocks"].keys()) == [0]  # a list of layers, not one [L, ...] scan
     toks = np.random.RandomState(2).randint(0, VOCAB, (2, 10))
     with torch.no_grad():
@@ -345,13 +348,13 @@ def test_bad_init_from_and_mtp_weight_are_refused_before_any_work(tmp_path):
 def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
     """configs/grpo.py:test without qk_norm, shortened to one SFT step and no GRPO step (checkpoint 0 holds
     the SFT-trained weights; a GRPO step would add its compile and nothing to the format): rl.export writes
-    Qwen2MoeForCausalLM, transformers' logits of it are the checkpoint's and model.hf.load gives back its
+    Qwen2MoeForCausalLM, transformers' logits of it are the checkpoint's and model.io.hf.load gives back its
     params bit for bit; an --out with files in it is refused before the checkpoint is read, and a failed
     export leaves nothing behind."""
     from flax import nnx
 
-    from model import hf, hf_config
-    from rl import evaluate, export, train, train_step
+    from model.io import hf, hf_config
+    from rl import evaluate, export, train, train_state
 
     cfg = grpo.get_config("test")
     cfg.model.qk_norm = False  # Qwen2-MoE has no qk norm; the stock model is refused (test below)
@@ -362,9 +365,9 @@ def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["exported", "run"]  # no staging directory left beside it
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
 
-    run_cfg = evaluate.load_run_config(str(workdir))
-    state, _ = evaluate.restore_state(run_cfg, str(workdir))
-    model_def, _ = train_step.init_state(run_cfg, seed=run_cfg.rl.seed)
+    run_cfg = run_dir.read_config(str(workdir))
+    state, _ = run_dir.restore_state(run_cfg, str(workdir))
+    model_def, _ = train_state.init_state(run_cfg, seed=run_cfg.rl.seed)
     toks = np.random.RandomState(1).randint(0, run_cfg.model.vocab_size, (2, 12))
     with torch.no_grad():
         want = _hf_model(out)(torch.tensor(toks)).logits.numpy()

@@ -76,14 +76,14 @@ def test_demo_gains_on_heldout(tmp_path):
 def test_noisy_teacher_misses_a_digit_first():
     """rl.sft.noise's miss: one digit of a math answer ("\\boxed{55}" keeps its format, one of its 2 digits
     changes), one letter of a string answer (no digits there), nothing in a text with neither."""
-    from rl import sft
+    from rl import warm_start
 
     rng = np.random.default_rng(0)
     for _ in range(200):
-        out = sft.corrupt("\\boxed{55}", rng)
+        out = warm_start.corrupt("\\boxed{55}", rng)
         assert out.startswith("\\boxed{") and out.endswith("}") and out != "\\boxed{55}"
         digits = out[len("\\boxed{") : -1]
         assert len(digits) == 2 and digits.isdigit() and sum(a != b for a, b in zip(digits, "55")) == 1
-        word = sft.corrupt("kqbdx", rng)
+        word = warm_start.corrupt("kqbdx", rng)
         assert len(word) == 5 and word.isalpha() and sum(a != b for a, b in zip(word, "kqbdx")) == 1
-    assert sft.corrupt("+=- ", rng) == "+=- "
+    assert warm_start.corrupt("+=- ", rng) == "+=- "

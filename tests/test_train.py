@@ -60,10 +60,10 @@ def test_train_end_to_end(tmp_path):
 
 
 def test_engine_metrics_are_rates_since_the_last_log_line():
-    """`rl.train._engine_metrics` on counters made up by hand: 30 tokens over 20 target forwards, 6 of 8
+    """`rl.step_metrics.engine_metrics` on counters made up by hand: 30 tokens over 20 target forwards, 6 of 8
     drafts accepted, 24 of 64 looked-up prompt tokens from the prefix cache, 1 preemption; the host tier's
     moves only when it is on."""
-    from rl import train
+    from rl import step_metrics
 
     names = ("generated_tokens", "target_row_forwards", "proposed_tokens", "accepted_tokens", "preemptions")
     names += ("prefix_lookup_tokens", "prefix_hit_tokens", "prefix_offloads", "prefix_reloads")
@@ -80,7 +80,7 @@ def test_engine_metrics_are_rates_since_the_last_log_line():
         prefix_offloads=13.0,
         prefix_reloads=12.0,
     )
-    assert train._engine_metrics(before, now, host_tier=True) == {
+    assert step_metrics.engine_metrics(before, now, host_tier=True) == {
         "engine/tokens_per_target_forward": 1.5,
         "engine/preemptions": 1.0,
         "engine/acceptance_rate": 0.75,
@@ -89,17 +89,17 @@ def test_engine_metrics_are_rates_since_the_last_log_line():
         "engine/host_reloads": 2.0,
     }
     # Nothing proposed and nothing looked up: no rate to give; no host tier: no moves.
-    assert train._engine_metrics(before, before, host_tier=False) == {
+    assert step_metrics.engine_metrics(before, before, host_tier=False) == {
         "engine/tokens_per_target_forward": 0.0,
         "engine/preemptions": 0.0,
     }
 
 
 def _final_params(workdir):
-    from rl import checkpoint, train_step
+    from rl import checkpoint, train_state
 
     cfg = grpo.get_config("test")
-    _, target = train_step.init_state(cfg, seed=cfg.rl.seed)
+    _, target = train_state.init_state(cfg, seed=cfg.rl.seed)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=2)
     state, meta = ckpt.restore(target_state=target)
     ckpt.close()
