@@ -29,7 +29,11 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from absl import flags
+
+from configs import cli
 from configs.errors import UserError, require
+from rl import distributed, train_state
 from rl import run as run_dir
 
 # What `model.io.tokenizer.HFTokenizer.from_dir` reads (generation_config.json: extra stop ids), and the slow
@@ -83,7 +87,6 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     every process calls it alike (see the module docstring) and returns once `out` is complete."""
     require("safetensors", "python -m rl.export (Hugging Face checkpoints)")
     from model.io import hf, hf_config
-    from rl import distributed, train_state
 
     cfg = cfg if cfg is not None else run_dir.read_config(workdir)
     try:
@@ -111,8 +114,6 @@ def _mesh(cfg: Any) -> Any:
     restores on one device instead."""
     import jax
 
-    from rl import distributed
-
     try:
         return distributed.trainer_mesh(cfg)
     except ValueError:
@@ -127,8 +128,6 @@ def _staged(out: str) -> Iterator[str]:
     `out` is replaced); on an error it is removed, with the parent directories made for it. Across
     processes: one directory for all, named by process 0, which makes, renames and removes it; the others
     wait for it at each step (`rl.distributed.barrier`)."""
-    from rl import distributed
-
     primary = distributed.is_primary()
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
@@ -159,18 +158,7 @@ def _staged(out: str) -> Iterator[str]:
 
 
 def main() -> None:
-    from absl import flags
-
-    from configs import cli
-    from configs.errors import UserError
-
-    # `restore_state` reads checkpoints with rl.train's helpers, and importing rl.train defines its flags:
-    # import it first, and let ours replace its --workdir.
-    from rl import distributed, train  # noqa: F401
-
-    workdir = flags.DEFINE_string(
-        "workdir", None, "Run directory (config.json, checkpoints/).", allow_override=True
-    )
+    workdir = flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
     out = flags.DEFINE_string("out", None, "Directory to write the Hugging Face checkpoint into.")
     step = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.mark_flags_as_required(["workdir", "out"])
