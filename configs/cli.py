@@ -24,15 +24,14 @@ import ml_collections
 
 from configs import schema
 from configs.errors import UserError
+from configs.fields import RL
 
 _TAKEN: list[tuple[str, str]] = []  # (dotted path under the config, raw value), in command-line order
 
 
 def block_paths() -> tuple[str, ...]:
     """The dotted paths of every block field of the GRPO config (e.g. "rl.sft.weights")."""
-    from configs import grpo
-
-    return tuple(f"rl.{name}" for name, field in grpo.RL.items() if field.kind == "block")
+    return tuple(f"rl.{name}" for name, field in RL.items() if field.kind == "block")
 
 
 def _inside_block(path: str, blocks: Sequence[str]) -> bool:
@@ -155,7 +154,7 @@ def _override_error(error: Exception, argv: Sequence[str], name: str = "config")
         close = [suggested.group(1)] if suggested else _close_fields(name, path[: path.index(key)], key)
         hint = f"; did you mean --{name}.{parent + '.' if parent else ''}{close[0]}?" if close else ""
         return (
-            f"{arg.split('=')[0]}: {where} has no field {key!r}{hint} (python -m configs.schema lists them)"
+            f"{arg.split('=')[0]}: {where} has no field {key!r}{hint} (python -m configs.fields lists them)"
         )
     return None
 

@@ -1,4 +1,4 @@
-"""python -m model.plan --config=configs/deepseek_v3.py --mesh=fsdp:16,expert:64 --batch=1024
+"""python -m rl.plan --config=configs/deepseek_v3.py --mesh=fsdp:16,expert:64 --batch=1024
 
 (1,024 chips: 82 GiB a chip of a TPU v5p's 95 for a 1024 x 4096-token step.)
 
@@ -18,46 +18,18 @@ def get_config(arg: str | None = None):
     del arg
     cfg = base.get_config()
     m = cfg.model
-    m.vocab_size = 129_280
-    m.d_model = 7168
-    m.num_layers = 61
-    m.num_heads = 128
-    m.num_kv_heads = 128  # unused by MLA
-    m.head_dim = 192  # qk_nope + qk_rope: informational under MLA
-    m.d_ff = 18_432
-    m.attention_kind = "mla"
-    m.mla.q_lora_rank = 1536
-    m.mla.kv_lora_rank = 512
-    m.mla.qk_nope_head_dim = 128
-    m.mla.qk_rope_head_dim = 64
-    m.mla.v_head_dim = 128
-    m.rope.theta = 10_000.0
-    m.rope.scaling = "yarn"
-    m.rope.factor = 40.0
-    m.rope.original_max_position = 4096
-    m.rope.beta_fast = 32.0
-    m.rope.beta_slow = 1.0
-    m.rope.mscale = 1.0
-    m.rope.mscale_all_dim = 1.0
-    m.moe.num_experts = 256
-    m.moe.top_k = 8
-    m.moe.n_group = 8
-    m.moe.topk_group = 4
-    m.moe.d_ff = 2048
-    m.moe.num_shared_experts = 1
-    m.moe.shared_d_ff = 2048
-    m.moe.first_dense_layers = 3
-    m.moe.router = "sigmoid"
-    m.moe.renormalize = True
-    m.moe.routed_scaling = 2.5
-    m.moe.load_balance_weight = 1e-4
-    m.remat = "full"
-    m.param_dtype = "float32"
-    m.compute_dtype = "bfloat16"
-    cfg.mesh.shape.data = 8
-    cfg.mesh.shape.fsdp = 16
-    cfg.mesh.shape.expert = 64
-    cfg.mesh.shape.tensor = 4
-    cfg.batch_size = 8192
-    cfg.seq_len = 4096
+    m.update(vocab_size=129_280, d_model=7168, num_layers=61, d_ff=18_432)
+    m.update(remat="full", compute_dtype="bfloat16")
+    # MLA: num_kv_heads is unused (every head's keys are expanded from the one latent); head_dim is
+    # qk_nope + qk_rope, informational.
+    m.update(attention_kind="mla", num_heads=128, num_kv_heads=128, head_dim=192)
+    m.mla.update(q_lora_rank=1536, kv_lora_rank=512, v_head_dim=128)
+    m.mla.update(qk_nope_head_dim=128, qk_rope_head_dim=64)
+    m.rope.update(theta=10_000.0, scaling="yarn", factor=40.0, original_max_position=4096)
+    m.rope.update(beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    m.moe.update(num_experts=256, top_k=8, n_group=8, topk_group=4, d_ff=2048, first_dense_layers=3)
+    m.moe.update(num_shared_experts=1, shared_d_ff=2048, router="sigmoid", routed_scaling=2.5)
+    m.moe.update(load_balance_weight=1e-4)
+    cfg.mesh.shape.update(data=8, fsdp=16, expert=64, tensor=4)
+    cfg.update(batch_size=8192, seq_len=4096)
     return cfg

@@ -1,19 +1,18 @@
-"""python -m configs.schema [--write README.md]   (prints / rewrites the README's field list)
+"""Config fields: each one's type and allowed values, next to its default and its comment.
 
-Each config field's type and allowed values, next to its default and its comment, in one table per block:
-`configs/base.py` (`MODEL`), `configs/grpo.py` (`RL`, which takes `rl.loss` from `rl.grpo.LOSS` and
-`rl.optim` from `rl.train_step.OPTIM`). A table maps a dotted name to a
-`Field`; `build(table)` gives the block's ConfigDict of defaults, `check(node, table, prefix)` raises a
-`ConfigError` naming the first field of the wrong type, out of range, or unknown (a typo in a config file),
-and `markdown()` writes the field list. Rules that tie fields together (a divisor of the batch, a domain
-named in two places) stay with the code that needs them (`model/config.py`, `rl/validate.py`).
+A table maps a dotted name to a `Field` (the tables themselves are in `configs/fields.py`). `build(table)`
+gives the block's ConfigDict of defaults; `check(node, table, prefix)` raises a `ConfigError` naming the
+first field of the wrong type, out of range, or unknown (a typo in a config file); `Field.describe()` says
+what a field allows, in words (the README's field list). Rules that tie fields together (a divisor of the
+batch, a domain named in two places) stay with the code that needs them (`model/config.py`,
+`rl/validate.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -37,12 +36,12 @@ class Field:
     lo_open: bool = False  # float: lo itself not allowed
     hi_open: bool = False
     inf_ok: bool = False  # float: +inf allowed (e.g. "no limit")
-    choices: tuple | Callable[[], tuple] = ()  # choice / names; a callable is asked when checking
+    choices: tuple = ()  # choice / names: the allowed values
     value: Field | None = None  # block: the field of every entry (keys are free, e.g. domain names)
     of: Mapping[str, Field] | None = None  # block: partial overrides of another table's fields
 
     def allowed(self) -> tuple:
-        return tuple(self.choices() if callable(self.choices) else self.choices)
+        return tuple(self.choices)
 
     def describe(self) -> str:
         """The allowed values in words: 'int >= 1', 'float in (0, 1]', "one of 'a', 'b'"."""
@@ -151,11 +150,11 @@ def Text(default: str, doc: str) -> Field:
     return Field(default, doc, "str")
 
 
-def Choice(default, doc: str, choices: tuple | Callable[[], tuple]) -> Field:
+def Choice(default, doc: str, choices: tuple) -> Field:
     return Field(default, doc, "choice", choices=choices)
 
 
-def Names(default: tuple, doc: str, choices: Callable[[], tuple]) -> Field:
+def Names(default: tuple, doc: str, choices: tuple) -> Field:
     return Field(tuple(default), doc, "names", choices=choices)
 
 
@@ -167,11 +166,6 @@ def Ints(doc: str, lo: int = 0) -> Field:
 def Block(doc: str, default: Mapping | None = None, *, value: Field | None = None, of=None) -> Field:
     """A block of free keys: every entry checked by `value`, or partial overrides of table `of`."""
     return Field(dict(default or {}), doc, "block", value=value, of=of)
-
-
-def registered(registry: Mapping, *extra: str) -> Callable[[], tuple]:
-    """Choices of a registry, asked when a config is checked (registering a new name is enough)."""
-    return lambda: tuple(sorted([*registry, *extra]))
 
 
 def set_path(root: ml_collections.ConfigDict, dotted: str, value) -> None:
@@ -225,27 +219,6 @@ def _leaves(node, table, parent: str = ""):
             yield name, value
 
 
-def markdown() -> str:
-    """The README's field list: one row per field of `configs.base.MODEL` and `configs.grpo.RL`."""
-    from configs import base, grpo
-
-    rows = ["| field | allowed | default | what it does |", "|---|---|---|---|"]
-    for prefix, table in (("model", base.MODEL), ("rl", grpo.RL)):
-        for name, f in table.items():
-            default = "" if f.kind == "block" and not f.default else f"`{_default(f.default)}`"
-            rows.append(f"| `{prefix}.{name}` | {f.describe()} | {default} | {f.doc} |")
-    return "\n".join(rows) + "\n"
-
-
-def _default(value, prefix: str = "") -> str:
-    if isinstance(value, dict):
-        return ", ".join(_default(v, f"{prefix}{k}.") for k, v in value.items()) or "{}"
-    return f"{prefix[:-1]}={value!r}" if prefix else repr(value)
-
-
-BEGIN, END = "<!-- fields:begin (python -m configs.schema --write README.md) -->", "<!-- fields:end -->"
-
-
 def write_between(path: str, begin: str, end: str, body: str) -> None:
     """Replaces what lies between the `begin` and `end` marker lines of `path` (a README) with `body`."""
     with open(path) as f:
@@ -256,19 +229,3 @@ def write_between(path: str, begin: str, end: str, body: str) -> None:
     tail = rest.split(end, 1)[1]
     with open(path, "w") as f:
         f.write(f"{head}{begin}\n{body}{end}{tail}")
-
-
-def write(path: str) -> None:
-    """Replaces the field list between the BEGIN and END markers of `path` (the README)."""
-    write_between(path, BEGIN, END, markdown())
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] == ["--write"] and len(sys.argv) == 3:
-        write(sys.argv[2])
-    elif len(sys.argv) == 1:
-        print(markdown(), end="")
-    else:
-        raise SystemExit("usage: python -m configs.schema [--write README.md]")

@@ -27,7 +27,7 @@ With `EngineConfig.record_routing` every target forward also writes the experts 
 routing pages beside the K/V, and `Completion.expert_indices` carries them (`inference.routing`).
 
 The weights the engine runs on are the model's `nnx.Param`s and, with a sigmoid router, its selection biases
-(`model.moe.ExpertBias`, DeepSeek-V3's e_score_correction_bias): one state, swapped together.
+(`model.moe.layer.ExpertBias`, DeepSeek-V3's e_score_correction_bias): one state, swapped together.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from configs.engine import EngineConfig
 from inference import kv_pages, layout, routing, steps, weight_sync
+from inference.completion import Completion
 from inference.drafters import (
     GroupDrafter,
     ModelDrafter,
@@ -54,7 +56,6 @@ from inference.drafters import (
     model_weights,
     split_weights,
 )
-from inference.engine_config import Completion, EngineConfig
 from inference.sampling import SamplingParams, sampling_arrays
 from inference.scheduler import Scheduler, Seq, pow2
 from model import config as model_config

@@ -89,7 +89,7 @@ def test_override_errors_name_the_flag_and_keep_the_suggestion():
     argv = ["x", "--config=configs/grpo.py:test", "--config.rl.lora.rank=8", "--config.rl.stpes=3"]
     bare = KeyError("'lora'")
     assert cli._override_error(bare, argv) == (
-        "--config.rl.lora.rank: rl has no field 'lora' (python -m configs.schema lists them)"
+        "--config.rl.lora.rank: rl has no field 'lora' (python -m configs.fields lists them)"
     )
     suggested = AttributeError(KeyError('\'stpes\'\nDid you mean "steps" instead of "stpes"?'))
     assert cli._override_error(suggested, argv).startswith(

@@ -1,4 +1,4 @@
-"""The main job's config schema (`configs/schema.py`; tables `configs.base.MODEL`, `configs.grpo.RL`).
+"""The main job's config schema (`configs/schema.py`; tables `configs.fields.MODEL`, `configs.fields.RL`).
 
 Property-based: every value the schema allows starts `rl.train` and runs a GRPO step; every value it refuses
 is refused before any work, with the field's dotted name in the error. The valid configs come from the
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from configs import base, grpo, schema
+from configs import base, fields, grpo, schema
 from configs.schema import ConfigError
 from model import seeds
 from rl import validate
@@ -67,7 +67,7 @@ ARGS = {"grpo": ("tiny", "small", *grpo.VARIANTS, "test,deepseek"), "tiny": (Non
 def _config_files():
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
         name = os.path.basename(path)[:-3]
-        if name in ("__init__", "schema", "cli", "errors"):  # helpers, not config files
+        if name in ("__init__", "schema", "fields", "engine", "cli", "errors"):  # helpers, not config files
             continue
         module = importlib.import_module(f"configs.{name}")
         for arg in ARGS.get(name, (None,)):
@@ -119,8 +119,8 @@ def test_tables_give_the_config_files_defaults():
 
 def _leaf_fields():
     """(config path, field) of every leaf field the main job reads: model.* and rl.*."""
-    out = [(f"model.{n}", f) for n, f in base.MODEL.items()]
-    out += [(f"rl.{n}", f) for n, f in grpo.RL.items()]
+    out = [(f"model.{n}", f) for n, f in fields.MODEL.items()]
+    out += [(f"rl.{n}", f) for n, f in fields.RL.items()]
     return out
 
 
@@ -247,7 +247,7 @@ def valid_overrides(draw):
     minis = draw(st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
     micros = draw(st.sampled_from([d for d in range(1, rows // minis + 1) if (rows // minis) % d == 0]))
     new_tokens = draw(st.integers(1, 6))
-    aggregation = draw(st.sampled_from(sorted(grpo.RL["loss.aggregation"].allowed())))
+    aggregation = draw(st.sampled_from(sorted(fields.RL["loss.aggregation"].allowed())))
     return {
         "seed": draw(SEEDS),
         "prompts_per_step": prompts,
@@ -259,25 +259,25 @@ def valid_overrides(draw):
         "temperature": draw(st.floats(0.25, 2.0)),
         "top_k": draw(st.sampled_from([0, 1, 7, 1000])),
         "top_p": draw(st.sampled_from([1.0, 0.9, 0.01])),
-        "advantage_std": draw(st.sampled_from(grpo.RL["advantage_std"].allowed())),
+        "advantage_std": draw(st.sampled_from(fields.RL["advantage_std"].allowed())),
         "routing_replay": draw(st.booleans()),
         "async_rollout": draw(st.booleans()),
         "max_staleness": draw(st.integers(0, 2)),
         "max_attempts": draw(st.integers(1, 2)),
         "log_samples": draw(st.integers(0, 2)),
-        "loss.ratio": draw(st.sampled_from(grpo.RL["loss.ratio"].allowed())),
+        "loss.ratio": draw(st.sampled_from(fields.RL["loss.ratio"].allowed())),
         "loss.aggregation": aggregation,
         "loss.max_tokens": new_tokens if aggregation == "seq-mean-token-sum-norm" else 0,
-        "loss.kl_kind": draw(st.sampled_from(grpo.RL["loss.kl_kind"].allowed())),
+        "loss.kl_kind": draw(st.sampled_from(fields.RL["loss.kl_kind"].allowed())),
         "loss.kl_coef": draw(st.sampled_from([0.0, 0.05])),
-        "loss.correction": draw(st.sampled_from(grpo.RL["loss.correction"].allowed())),
-        "reference_dtype": draw(st.sampled_from(grpo.RL["reference_dtype"].allowed())),
-        "engine.draft": draw(st.sampled_from(grpo.RL["engine.draft"].allowed())),
+        "loss.correction": draw(st.sampled_from(fields.RL["loss.correction"].allowed())),
+        "reference_dtype": draw(st.sampled_from(fields.RL["reference_dtype"].allowed())),
+        "engine.draft": draw(st.sampled_from(fields.RL["engine.draft"].allowed())),
         "engine.page_size": draw(st.sampled_from([4, 16])),
-        "engine.scheduler": draw(st.sampled_from(grpo.RL["engine.scheduler"].allowed())),
-        "engine.cache_dtype": draw(st.sampled_from(grpo.RL["engine.cache_dtype"].allowed())),
+        "engine.scheduler": draw(st.sampled_from(fields.RL["engine.scheduler"].allowed())),
+        "engine.cache_dtype": draw(st.sampled_from(fields.RL["engine.cache_dtype"].allowed())),
         "domains": draw(st.sampled_from([("debug",), ("arith",), ("arith", "debug")])),
-        "curriculum": draw(st.sampled_from(grpo.RL["curriculum"].allowed())),
+        "curriculum": draw(st.sampled_from(fields.RL["curriculum"].allowed())),
         "chat": (chat := draw(st.booleans())),
         # The byte tokenizer's chat template adds ~18 tokens (debug: 15 -> 33); the start-up check refuses
         # a budget no prompt fits (tested above), so valid configs give the template room.
@@ -357,9 +357,62 @@ def test_valid_configs_run_a_grpo_step(tmp_path_factory, overrides):
 def test_readme_field_list_is_current():
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    listed = text.split(schema.BEGIN, 1)[1].split(schema.END, 1)[0]
-    assert listed == "\n" + schema.markdown(), (
-        "README's field list is stale: python -m configs.schema --write README.md"
+    listed = text.split(fields.BEGIN, 1)[1].split(fields.END, 1)[0]
+    assert listed == "\n" + fields.markdown(), (
+        "README's field list is stale: python -m configs.fields --write README.md"
     )
     for path, _ in FIELDS:
         assert f"| `{path}` |" in listed
+
+
+# --- choices from registries ----------------------------------------------------------------------------
+
+
+def test_table_choices_are_the_registries_names():
+    """The tables list a registry's names as plain strings (configs import nothing above them); they are
+    the registries' built-in names, and `rl.validate` checks a chosen one against the registry itself."""
+    from envs import registry
+
+    for field, (_, names) in validate.registries().items():
+        table = fields.MODEL if field.startswith("model.") else fields.RL
+        assert table[field.split(".", 1)[1]].allowed() == tuple(sorted(names)), field
+    assert tuple(sorted(registry.BUILTIN)) == fields.DOMAINS
+    assert registry.ENTRY_POINT_GROUP == fields.ENTRY_POINT_GROUP
+
+
+def test_a_choice_the_registry_lacks_is_refused_naming_the_field_and_the_registry(monkeypatch):
+    from rl import grpo as grpo_lib
+
+    cfg = grpo.get_config("test")
+    validate.check_registries(cfg)
+    monkeypatch.delitem(grpo_lib.RATIOS, "sequence")
+    cfg.rl.loss.ratio = "sequence"
+    with pytest.raises(
+        ConfigError,
+        match=r"rl.loss.ratio='sequence' is not registered in rl.grpo.RATIOS; choose one of \['token'\]",
+    ):
+        validate.validate(cfg)
+
+
+def test_engine_defaults_are_engine_configs():
+    from configs.engine import EngineConfig
+
+    engine = grpo.get_config("tiny").rl.engine
+    defaults = EngineConfig()
+    for name in engine:
+        if hasattr(defaults, name) and name != "decode_steps":  # 0: the main job's "per drafter" default
+            assert engine[name] == getattr(defaults, name), name
+
+
+def test_parse_arg():
+    assert base.parse_arg("dense,experts=32,,capacity", "x.py", ("dense", "capacity", "experts=N")) == [
+        ("dense", ""),
+        ("experts", "32"),
+        ("capacity", ""),
+    ]
+    assert base.parse_arg(None, "x.py", ("dense",)) == []
+    for bad in ("bogus", "dense=1", "experts"):
+        with pytest.raises(
+            ValueError, match=rf"configs/x.py: unknown argument '{bad}'; use dense, experts=N"
+        ):
+            base.parse_arg(bad, "x.py", ("dense", "experts=N"))

@@ -1,11 +1,13 @@
-"""`EngineConfig` (the engine's sizes, validated) and `Completion` (what `Engine.generate` returns)."""
+"""`EngineConfig`: the decoding engine's sizes, validated (data only: no JAX).
+
+Its defaults are the only engine defaults: the main job's `rl.engine` table (`configs/fields.py`) takes
+them from here, and `inference.Engine` uses them when given no config."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import ml_collections
-import numpy as np
 
 SCHEDULERS = ("continuous", "static")
 
@@ -14,13 +16,13 @@ SCHEDULERS = ("continuous", "static")
 class EngineConfig:
     """Sizes of the engine; every shape the jitted steps see is derived from these."""
 
-    max_batch: int = 16  # decode slots (rows of the decode step)
+    max_batch: int = 32  # decode slots (rows of the decode step)
     max_seq_len: int = 1024  # prompt + completion tokens of one sequence
     page_size: int = 16
     num_pages: int = 0  # 0: room for max_batch full sequences plus the prefix cache
     prefix_cache_pages: int = -1  # device pages the prefix cache keeps (0: off); -1: max_batch * M / 2
     host_cache_pages: int = 0  # host-tier pages for cold prefix blocks (0: off)
-    prefill_chunk: int = 256  # longest prefill call; longer contexts are prefilled in chunks
+    prefill_chunk: int = 64  # longest prefill call; longer contexts are prefilled in chunks
     prefill_batch: int = 4  # rows per prefill call (bucketed to powers of two)
     # Fewest rows of a prefill call: a call with fewer is padded up to it, so only the row buckets from here
     # to prefill_batch are compiled (e.g. = prefill_batch when every round prefills that many prompts).
@@ -106,25 +108,3 @@ class EngineConfig:
     @property
     def pool_pages(self) -> int:
         return self.num_pages or 1 + self.max_batch * self.pages_per_seq + self.prefix_pages
-
-
-@dataclasses.dataclass
-class Completion:
-    """One sampled continuation. `logprobs[i]` is the log-prob of `tokens[i]` under the distribution it was
-    drawn from (after temperature / top-k / top-p / min-p); `raw_logprobs` under the untempered softmax.
-    A stop token ends the completion and is included; `finish_reason` is "stop" or "length".
-
-    `expert_indices` (with `EngineConfig.record_routing`, else None): [L_moe, len(prompt) + len(tokens), k]
-    int8 (int16 with more than 127 experts), row t the experts each MoE layer chose for token t of prompt +
-    tokens when it was fed at position t; the last token is never fed, its row holds experts 0..k-1. A dense
-    model gives L_moe = 0. See `inference.routing`."""
-
-    prompt_index: int
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    sample_index: int = 0
-    raw_logprobs: list[float] = dataclasses.field(default_factory=list)
-    policy_versions: list[int] = dataclasses.field(default_factory=list)
-    request_id: int = 0
-    expert_indices: np.ndarray | None = None
