@@ -1,4 +1,4 @@
-"""Tables of the planner's JSON-ready results (`model.plan`, `model.plan_rollout`, `model.plan_xla`)."""
+"""Tables of the planner's JSON-ready results (`model.plan`, `rl.plan.rollout`, `rl.plan.xla`)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def format_table(p: dict) -> str:
 
 
 def format_rollout(p: dict) -> str:
-    """The rollout entries (`model.plan_rollout.rollout_plan`) as a table."""
+    """The rollout entries (`rl.plan.rollout.rollout_plan`) as a table."""
     kv_layout = "split over tensor" if p["kv_sharded_over_tensor"] else "replicated over tensor"
     rows = [
         ("inference mesh", _mesh(p["inference_mesh"], p["inference_devices"])),
@@ -83,7 +83,7 @@ def format_rollout(p: dict) -> str:
 
 
 def format_a2a(p: dict, mesh_name: str, *, training: bool) -> str:
-    """All-to-all entries (`model.plan_rollout.all_to_all_plan`) of one mesh as a table."""
+    """All-to-all entries (`rl.plan.rollout.all_to_all_plan`) of one mesh as a table."""
     step = f"; train step (forward + backward) {_gib(p['a2a_bytes_per_train_step'])}" if training else ""
     rows = [
         ("  per MoE layer", f"{_gib(p['a2a_bytes_per_layer'])} sent per device (dispatch + combine)"),
@@ -94,7 +94,7 @@ def format_a2a(p: dict, mesh_name: str, *, training: bool) -> str:
 
 
 def format_memory(p: dict) -> str:
-    """The live bytes per device (`model.plan_memory.device_bytes`, the main job's memory/*), and with the
+    """The live bytes per device (`rl.plan.memory.device_bytes`, the main job's memory/*), and with the
     train step's f32 gradients and activations of the plan above."""
     d = p["device_bytes"]
     rows = [(f"  {k}", f"{_gib(v)} ({v:,} bytes)") for k, v in d.items()]
@@ -107,7 +107,7 @@ def format_memory(p: dict) -> str:
 
 
 def format_xla(p: dict) -> str:
-    """The xla_* entries (`model.plan_xla.xla_plan`): XLA's bytes, the estimate, their ratio."""
+    """The xla_* entries (`rl.plan.xla.xla_plan`): XLA's bytes, the estimate, their ratio."""
     out = [f"{'XLA train step':<20}{'XLA':>15}{'estimate':>15}{'XLA/est':>9}  (bytes per device)"]
     for key, v in p.items():
         if key.startswith("xla_"):

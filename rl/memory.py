@@ -6,7 +6,7 @@ error: `device_bytes` counts, per local device, the bytes of every live device b
 array counts once on each device holding it; views sharing a buffer count once), which is what an
 accelerator's HBM would hold. `trees`
 (named trees of arrays: params, optimizer state, sampler weights, KV pages) are counted the same way, each
-as its largest per-device figure, for the planner's prediction (`model.plan_memory`) to be checked against.
+as its largest per-device figure, for the planner's prediction (`rl.plan.memory`) to be checked against.
 """
 
 from __future__ import annotations

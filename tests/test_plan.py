@@ -13,7 +13,9 @@ from flax import nnx
 
 import model
 from configs import deepseek_v3, moe_1t, small, tiny
-from model import plan, plan_rollout, plan_xla, sharding
+from model import plan, sharding
+from rl.plan import rollout as plan_rollout
+from rl.plan import xla as plan_xla
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -208,7 +210,7 @@ def test_parse_mesh():
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "model.plan", "--config=configs/tiny.py", *args]
+    cmd = [sys.executable, "-m", "rl.plan", "--config=configs/tiny.py", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
@@ -450,7 +452,7 @@ def test_xla_check_tiny_on_a_mesh():
     for name in ("argument", "output", "alias"):
         assert abs(getattr(xla, name) / getattr(est, name) - 1) < EXACT_RTOL, name
     # The activation model counts the named intermediates, a subset of what autodiff keeps, and XLA
-    # adds its scratch: the estimate's temp is below XLA's (model/plan_xla.py says what makes up the rest).
+    # adds its scratch: the estimate's temp is below XLA's (rl/plan/xla.py says what makes up the rest).
     assert est.temp < xla.temp
 
 

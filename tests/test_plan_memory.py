@@ -1,4 +1,4 @@
-"""model.plan_memory: the main job's live bytes per device (memory/*) predicted from the config, against
+"""rl.plan.memory: the main job's live bytes per device (memory/*) predicted from the config, against
 figures derived by hand for the tiny model and against the arrays a trainer state and an engine really
 place on 8 fake CPU devices (what rl/memory.py counts).
 
@@ -26,7 +26,8 @@ import jax
 import pytest
 
 from configs import grpo
-from model import plan_memory, sharding
+from rl.plan import memory as plan_memory
+from rl.plan import sharding
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PARAMS = 230_272
@@ -122,17 +123,16 @@ def test_prediction_equals_the_placed_arrays():
     """A trainer state on data 2 x fsdp 4 and an engine on data 2 x expert 2 x tensor 2 over the same 8
     devices: each part's largest per-device bytes (rl.memory, what the main job logs) equal the prediction."""
     from inference import Engine
-    from rl import memory, validate
-    from rl import train_step as ts
+    from rl import memory, train_state, validate
 
     cfg = _cfg(**{"loss.kl_kind": "k1", "reference_dtype": "bfloat16"})
     trainer_shape, sampler_shape = {"data": 2, "fsdp": 4}, {"data": 2, "expert": 2, "tensor": 2}
     cfg.mesh.shape.update({a: 1 for a in sharding.MESH_AXES} | trainer_shape)
     trainer = sharding.make_mesh(trainer_shape)
-    _, state = ts.init_state(cfg, mesh=trainer)
-    reference = ts.reference_weights(state, cfg.rl.reference_dtype)
+    _, state = train_state.init_state(cfg, mesh=trainer)
+    reference = train_state.reference_weights(state, cfg.rl.reference_dtype)
     engine = Engine(
-        cfg, ts.weights(state), validate.engine_config(cfg), mesh=sharding.make_mesh(sampler_shape)
+        cfg, train_state.weights(state), validate.engine_config(cfg), mesh=sharding.make_mesh(sampler_shape)
     )
     largest = lambda tree: max(memory.per_device(jax.tree.leaves(tree)).values())
     measured = {
@@ -147,7 +147,7 @@ def test_prediction_equals_the_placed_arrays():
 
 
 def test_cli_prints_the_prediction():
-    cmd = [sys.executable, "-m", "model.plan", "--config=configs/grpo.py:test", "--mesh=data:2,fsdp:4"]
+    cmd = [sys.executable, "-m", "rl.plan", "--config=configs/grpo.py:test", "--mesh=data:2,fsdp:4"]
     cmd += ["--sampler=data:2,expert:2,tensor:2", "--json"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -8,7 +8,7 @@ every device of both processes, `rl.memory`):
 - the checkpoint's parameters are 1,239,936 f32 elements (4.96 MB, by hand below); every device holds less
   than that in all its live arrays together: params, Adam's two moments, the engine's weights and its KV
   pages. No device could have held the model in the old layout (one device, then replicated weights);
-- each part equals `model.plan_memory.device_bytes`'s prediction for this config and meshes exactly, and the
+- each part equals `rl.plan.memory.device_bytes`'s prediction for this config and meshes exactly, and the
   whole within `TOTAL_RTOL` (what the prediction leaves out: a rollout batch and per-step scalars, ~1 KB).
 Bytes read from the checkpoint: each process reads its devices' slices: half of every matrix (fsdp splits
 one dim of each 8 ways, 4 parts per process) and every vector whole (counted from the safetensors header).
@@ -125,9 +125,9 @@ def _config(checkpoint):
 
 
 def test_two_processes_post_train_a_checkpoint_no_device_could_hold(checkpoint, tmp_path):
-    from model import plan_memory
     from model.io import hf
     from rl import train_state, validate
+    from rl.plan import memory as plan_memory
 
     workdir, exported = tmp_path / "run", tmp_path / "exported"
     flags = [f"--config.{k}={v}" for k, v in RUN.items()]

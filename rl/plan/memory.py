@@ -1,4 +1,4 @@
-"""python -m model.plan --config=configs/grpo.py:test --mesh=data:2,fsdp:4 --sampler=data:2,expert:2,tensor:2
+"""python -m rl.plan --config=configs/grpo.py:test --mesh=data:2,fsdp:4 --sampler=data:2,expert:2,tensor:2
 
 What the main job holds between steps, per device, predicted from the config: the same parts as its
 `memory/*` metrics (`rl/memory.py`, logged per logged step), each the largest bytes any one device holds.
@@ -7,10 +7,10 @@ as `jax.sharding.AbstractMesh`es, so the shardings come from the functions the j
 
   params           the trainer's `nnx.Param`s in their dtypes (param_dtype; routers f32), each split over
                    the mesh axes of its logical axes (`cfg.mesh.rules`, `model.sharding.mesh_spec`)
-  optimizer        `rl.train_step.make_optimizer`'s state, as `optimizer.init` builds it: AdamW mu and nu
+  optimizer        `rl.train_state.make_optimizer`'s state, as `optimizer.init` builds it: AdamW mu and nu
                    in the params' dtypes (optax's default), sharded like the params, and two int32 counts
                    (clipping and the schedule hold nothing else), replicated
-  reference        with rl.loss.kl_kind != none: `rl.train_step.reference_weights`, the params in
+  reference        with rl.loss.kl_kind != none: `rl.train_state.reference_weights`, the params in
                    rl.reference_dtype ("": theirs) plus the selection biases, sharded like the params
   sampler_weights  the engine's weights (params and selection biases) in the engine's layout
                    (`inference.engine.weight_shardings`: `inference.layout`'s rules, replicated over data,
@@ -28,7 +28,7 @@ as `jax.sharding.AbstractMesh`es, so the shardings come from the functions the j
   total            colocated (rl.sampler_devices = 0): every part on one device; disaggregated: the larger
                    of a trainer device's (params, optimizer, reference, other) and a sampler device's
 
-Not counted: the train step's gradients and activations (`model.plan` estimates those) and XLA's scratch,
+Not counted: the train step's gradients and activations (`model.plan.plan` estimates those) and XLA's scratch,
 rollout batches and metrics, the host-tier prefix cache (host memory). Dims that do not divide their mesh
 axes count rounded up (training refuses them; the engine keeps such a weight dim whole, as counted).
 """
@@ -44,11 +44,16 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 from ml_collections import ConfigDict
 
+from configs import grpo, schema
 from configs.schema import ConfigError
+from inference import layout, routing
+from inference.drafters import split_weights
+from inference.engine import graph_config, weight_shardings
 from model import config as config_lib
 from model import sharding
 from model.plan import mesh_sizes
 from model.transformer import Transformer
+from rl import train_state, validate
 
 PARTS = ("params", "optimizer", "reference", "sampler_weights", "kv_pages", "other")
 SAMPLER_AXES = ("data", "expert", "tensor")
@@ -84,7 +89,7 @@ def _leaves(tree) -> list:
 
 
 def trainer_bytes(tree, rules, sizes: Mapping[str, int], dtype: str | None = None) -> int:
-    """Per-device bytes of an abstract tree in the trainer's layout (`rl.train_step._tree_shardings`):
+    """Per-device bytes of an abstract tree in the trainer's layout (`rl.train_state.tree_shardings`):
     variables by their logical axes, every other leaf replicated; `dtype` overrides the variables'."""
     mesh, total = abstract_mesh(sizes), 0
     for leaf in _leaves(tree):
@@ -111,10 +116,9 @@ def with_rl(cfg: ConfigDict) -> ConfigDict:
     """`cfg` with an `rl` block: a model file's config (configs/moe_1t.py) gets configs/grpo.py's defaults."""
     if "rl" in cfg:
         return cfg
-    from configs import grpo, schema
-
-    out = ConfigDict(cfg.to_dict())
-    out.rl = schema.build(grpo.RL)
+    out = cfg.copy_and_resolve_references()
+    with out.unlocked():  # a config from --config is locked
+        out.rl = schema.build(grpo.RL)
     return out
 
 
@@ -138,11 +142,9 @@ def sampler_sizes(cfg: ConfigDict, trainer: Mapping[str, int], sampler: Mapping[
 
 def _train_state(cfg: ConfigDict):
     """(abstract params, abstract optimizer state, abstract non-Param state) of `cfg`'s train state."""
-    from rl import train_step  # late: the optimizer is the trainer's own (`make_optimizer`)
-
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    opt = jax.eval_shape(train_step.make_optimizer(cfg.rl.optim).init, params)
+    opt = jax.eval_shape(train_state.make_optimizer(cfg.rl.optim).init, params)
     return params, opt, rest
 
 
@@ -150,10 +152,6 @@ def _engine_parts(cfg: ConfigDict, sizes: dict[str, int], ecfg, *, mtp: bool = F
     """(weight bytes, page bytes) per device of an engine over a mesh of `sizes` for `cfg`'s model (the
     target's, or a draft model's), as `inference.Engine.__init__` builds them; `mtp`: with the MTP
     drafter's pages."""
-    from inference import layout, routing  # late: the engine's layout is the inference package's
-    from inference.drafters import split_weights
-    from inference.engine import graph_config, weight_shardings
-
     mesh = abstract_mesh(sizes)
     _, abstract = split_weights(graph_config(cfg, ecfg, mesh))
     weights = _placed_bytes(abstract, weight_shardings(cfg, ecfg, mesh), sizes)
@@ -187,8 +185,6 @@ def device_bytes(
     ({data, expert, tensor}; None: the main job's own, `sampler_sizes`). `colocated` (default:
     rl.sampler_devices = 0) puts both on the same devices. Keys: params, optimizer, reference,
     sampler_weights, kv_pages, other, total."""
-    from rl import validate  # late: the engine's sizes are the main job's (`engine_config`)
-
     cfg = with_rl(cfg)
     rl = cfg.rl
     sizes = mesh_sizes(trainer_mesh)

@@ -1,4 +1,4 @@
-"""Rollout memory and MoE all-to-all traffic for the planner (`python -m model.plan --inference_mesh=...`).
+"""Rollout memory and MoE all-to-all traffic for the planner (`python -m rl.plan --inference_mesh=...`).
 
 Rollout memory: the engine's weights per device under the inference layout, the KV-cache bytes per token
 per device, and how many sequences of a given context fit per device beside the weights in a given HBM.
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from configs.base import DTYPES
+from inference.layout import inference_config
 from model import config as config_lib
 from model import plan as plan_lib
 
@@ -40,8 +41,6 @@ def inference_weight_bytes_per_device(
     """'/'-joined parameter path -> `Shard` under the inference layout, in `dtype` (default: each
     parameter's own, what `inference.Engine` holds when given the trainer's params). A dim that does
     not divide its mesh axes is kept whole (replicated over them; `Shard.even` is False)."""
-    from inference.layout import inference_config  # late: inference imports the model
-
     infer = inference_config(cfg)
     return plan_lib.param_bytes_per_device(infer, mesh_shape, state, dtype=dtype, replicate_uneven=True)
 

@@ -1,6 +1,6 @@
 """The planner's per-device bytes against XLA's: compile the real GRPO train step, allocate nothing.
 
-`python -m model.plan --config=configs/tiny.py --mesh=data:2,fsdp:4 --xla` (on a CPU, 8 fake devices:
+`python -m rl.plan --config=configs/tiny.py --mesh=data:2,fsdp:4 --xla` (on a CPU, 8 fake devices:
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`) lowers and compiles `rl.train_step.make_train_step`
 for the mesh from ShapeDtypeStructs (`jax.jit(...).lower(...).compile()`: no parameter, moment or batch
 is ever allocated) and prints `memory_analysis()` per device beside the planner's estimate:
@@ -15,7 +15,7 @@ Arguments, outputs and aliases are exact quantities: the estimate leaves out onl
 optax's two counts and the rng key, 20 bytes; ~180 f32 metrics), 0.1% of the tiny config's state.
 
 Temp is where the two differ. XLA:CPU, f32, remat none, GRPO step, bytes per device (commit of this
-docstring; `python -m model.plan --config=configs/X.py --mesh=M --xla`):
+docstring; `python -m rl.plan --config=configs/X.py --mesh=M --xla`):
 
   config          mesh            XLA temp      estimate     ratio
   tiny            one device       9,084,304    4,599,296     1.98
@@ -61,8 +61,10 @@ from model import config as config_lib
 from model import plan as plan_lib
 from model import seeds, sharding
 from model.transformer import Transformer
+from rl import train_state, train_step
+from rl.plan.memory import with_rl
 
-# Batch entries the GRPO step reads (rl.train_step.BATCH_AXES): int32 ids, everything else f32.
+# Batch entries the GRPO step reads (rl.train_state.BATCH_AXES): int32 ids, everything else f32.
 INT_KEYS = ("tokens_BT", "positions_BT", "expert_indices")
 
 
@@ -80,32 +82,16 @@ class XlaMemory(NamedTuple):
         return self.argument + self.output - self.alias + self.temp
 
 
-def with_rl(cfg: ConfigDict) -> ConfigDict:
-    """`cfg`, with the GRPO defaults of configs/grpo.py as `rl` when it has none (a model-only config)."""
-    if "rl" in cfg:
-        return cfg
-    from configs import grpo, schema  # late: the trainer's tables import the trainer
-
-    out = cfg.copy_and_resolve_references()
-    with out.unlocked():  # a config from --config is locked
-        out.rl = schema.build(grpo.RL)
-    return out
-
-
 def _batch_shape(key: str, cfg: ConfigDict, batch: int, seq_len: int) -> tuple[int, ...]:
-    from rl import train_step
-
     m = cfg.model
     if key == "expert_indices":  # [L_moe, B, T, k]
         return (config_lib.layer_counts(m)[1], batch, seq_len, m.moe.top_k)
     dims = {"act_batch": batch, "act_length": seq_len}
-    return tuple(dims[a] for a in train_step.BATCH_AXES[key])
+    return tuple(dims[a] for a in train_state.BATCH_AXES[key])
 
 
 def abstract_batch(cfg: ConfigDict, batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The GRPO step's batch (`rl.train_step.grpo_batch_keys(cfg)`) as ShapeDtypeStructs."""
-    from rl import train_step
-
     return {
         k: jax.ShapeDtypeStruct(
             _batch_shape(k, cfg, batch, seq_len), jnp.int32 if k in INT_KEYS else jnp.float32
@@ -116,12 +102,10 @@ def abstract_batch(cfg: ConfigDict, batch: int, seq_len: int) -> dict[str, jax.S
 
 def batch_bytes_per_device(cfg: ConfigDict, mesh_shape: Mapping[str, int], batch: int, seq_len: int) -> int:
     """Bytes of one device's rows of the GRPO batch: each dim split over its mesh axes (rounded up)."""
-    from rl import train_step
-
     sizes, rules = plan_lib.mesh_sizes(mesh_shape), tuple(cfg.mesh.rules)
     total = 0
     for k, x in abstract_batch(cfg, batch, seq_len).items():
-        spec = sharding.logical_to_spec(train_step.BATCH_AXES[k], rules)
+        spec = sharding.logical_to_spec(train_state.BATCH_AXES[k], rules)
         local = math.prod(-(-d // plan_lib._num_shards(e, sizes)) for d, e in zip(x.shape, spec))
         total += local * x.dtype.itemsize
     return total
@@ -129,13 +113,11 @@ def batch_bytes_per_device(cfg: ConfigDict, mesh_shape: Mapping[str, int], batch
 
 def _abstract_state(cfg: ConfigDict):
     """(graph definition, TrainState of ShapeDtypeStructs): the step's input, as `init_state` makes it."""
-    from rl import train_step
-
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    optimizer = train_step.make_optimizer(cfg.rl.optim)
+    optimizer = train_state.make_optimizer(cfg.rl.optim)
     step = jax.ShapeDtypeStruct((), jnp.int32)
-    state = train_step.TrainState(
+    state = train_state.TrainState(
         params, jax.eval_shape(optimizer.init, params), step, jax.eval_shape(lambda: seeds.key(0)), rest
     )
     return graphdef, state
@@ -170,8 +152,6 @@ def train_step_memory(cfg: ConfigDict, mesh_shape: Mapping[str, int], batch: int
     the batch over act_batch/act_length, metrics replicated. Compiling is the cost: ~10-60 s for the tiny
     config on a CPU, minutes for small.
     """
-    from rl import train_step
-
     cfg = with_rl(cfg)
     sizes = plan_lib.mesh_sizes(mesh_shape)
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
@@ -184,7 +164,7 @@ def train_step_memory(cfg: ConfigDict, mesh_shape: Mapping[str, int], batch: int
     rules = tuple(cfg.mesh.rules)
     graphdef, state = _abstract_state(cfg)
     batch_in = abstract_batch(cfg, batch, seq_len)
-    batch_shardings = train_step.batch_shardings(cfg, tuple(batch_in), mesh, batch)
+    batch_shardings = train_state.batch_shardings(cfg, tuple(batch_in), mesh, batch)
     state_shardings = _state_shardings(state, mesh, rules)
     # The step without a mesh is the pure jitted step; jitting it again with the mesh's shardings
     # gives the program the trainer runs on that mesh (its memory_analysis is identical).
