@@ -3,8 +3,8 @@
 One server (tiny config, random weights, the engine sizes of tests/test_engine.py so the compiled steps are
 shared) serves `tiny` and `tiny-fast` (n-gram drafter) for the whole module; a reference `Engine` over the
 same weights gives the expected tokens and log-probs. Also here: `Engine.cancel` / `Engine.in_flight` (the
-engine API the server needs), `serve_text.TextStream` by hand, loading a run directory (also through the CLI)
-and an HF directory.
+engine API the server needs), `inference.serve.text.TextStream` by hand, loading a run directory (also
+through the CLI) and an HF directory.
 """
 
 import concurrent.futures
@@ -33,11 +33,13 @@ from inference import (  # noqa: E402
     MTPDrafter,
     NgramDrafter,
     SamplingParams,
-    serve,
 )
-from inference.serve_loop import EngineLoop  # noqa: E402
-from inference.serve_text import TextStream  # noqa: E402
-from model.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
+from inference.serve import api as serve_api  # noqa: E402
+from inference.serve import load as serve_load  # noqa: E402
+from inference.serve import server as serve_server  # noqa: E402
+from inference.serve.loop import EngineLoop  # noqa: E402
+from inference.serve.text import TextStream  # noqa: E402
+from model.io.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
 
 ECFG = EngineConfig(
     max_batch=4, max_seq_len=96, page_size=8, num_pages=96, prefill_chunk=32, prefill_batch=2, min_bucket=16
@@ -61,7 +63,7 @@ def _poll(cond, timeout: float = 30.0, every: float = 0.02) -> bool:
 class Live:
     """A server run by uvicorn in a thread on a free 127.0.0.1 port."""
 
-    def __init__(self, server: serve.Server):
+    def __init__(self, server: serve_server.Server):
         self.server = server
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -101,8 +103,8 @@ def weights():
 @pytest.fixture(scope="module")
 def live(weights):
     cfg, m = weights
-    loaded = serve.Loaded(cfg, m, ByteTokenizer(cfg.model.vocab_size), "tiny")
-    server = serve.Server.build(
+    loaded = serve_load.Loaded(cfg, m, ByteTokenizer(cfg.model.vocab_size), "tiny")
+    server = serve_server.Server.build(
         loaded, ECFG, draft="ngram", max_queue=MAX_QUEUE, max_n=MAX_N, max_body_bytes=MAX_BODY
     )
     server.start()
@@ -350,9 +352,9 @@ def test_disconnect_mid_stream_frees_the_slot(live, monkeypatch):
     eng = _released(live, "tiny")
     assert eng.stats()["cancelled"] == before + 1  # dropped by the disconnect, not finished
     # Without streaming: the handler notices the closed connection while it waits (it looks every
-    # serve.DISCONNECT_POLL_S = 0.1 s). On a quiet machine the tiny model decoded both waves (2 x 90 steps)
-    # before the first look, so nothing was left to cancel: each engine step now waits 10 ms first (>= 1.8 s
-    # for the request, well past the poll).
+    # serve_server.DISCONNECT_POLL_S = 0.1 s). On a quiet machine the tiny model decoded both waves
+    # (2 x 90 steps) before the first look, so nothing was left to cancel: each engine step now waits 10 ms
+    # first (>= 1.8 s for the request, well past the poll).
     step = loop.engine.step
     monkeypatch.setattr(loop.engine, "step", lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1])
     long = {"model": "tiny", "prompt": "gone", "max_tokens": 90, "n": MAX_N, "ignore_eos": True}  # 2 waves
@@ -468,7 +470,7 @@ def test_warming_up_answers_503(weights):
     cfg, m = weights
     tok = ByteTokenizer(256)
     loop = EngineLoop(Engine(cfg, m, ECFG), tok, name="cold")  # never started: still warming up
-    server = serve.Server({"cold": loop}, tok, serve.Limits(ECFG.max_seq_len, 256))
+    server = serve_server.Server({"cold": loop}, tok, serve_api.Limits(ECFG.max_seq_len, 256))
     cold = Live(server)
     try:
         status, body = cold.raw("GET", "/health")
@@ -518,11 +520,12 @@ def test_light_load_routes_plain_requests_to_fast(live, client):
 
 
 def test_fast_variant_drafter_choice():
-    assert isinstance(serve.make_drafter(tiny.get_config("deepseek")), MTPDrafter)  # the model's MTP head
-    assert isinstance(serve.make_drafter(tiny.get_config()), NgramDrafter)
-    assert serve.make_drafter(tiny.get_config(), "none") is None
+    # the model's MTP head
+    assert isinstance(serve_load.make_drafter(tiny.get_config("deepseek")), MTPDrafter)
+    assert isinstance(serve_load.make_drafter(tiny.get_config()), NgramDrafter)
+    assert serve_load.make_drafter(tiny.get_config(), "none") is None
     with pytest.raises(ValueError, match="--draft='model'"):
-        serve.make_drafter(tiny.get_config(), "model")
+        serve_load.make_drafter(tiny.get_config(), "model")
 
 
 # --- the engine API the server needs -----------------------------------------------------------------------
@@ -637,40 +640,90 @@ def test_load_hf_directory(tmp_path):
     pytest.importorskip("safetensors")
     from flax import nnx
 
-    from model import hf
+    from model.io import hf
 
     cfg = tiny.get_config("dense")  # (tiny MoE has qk_norm and a shared expert: no HF format holds both)
     m = model.build(cfg, seed=3)
     hf.save(cfg, nnx.state(m, nnx.Param), tmp_path / "ckpt")
-    loaded = serve.load_hf(str(tmp_path / "ckpt"), tokenizer="byte")
+    loaded = serve_load.load_hf(str(tmp_path / "ckpt"), tokenizer="byte")
     assert loaded.name == "ckpt" and isinstance(loaded.tokenizer, ByteTokenizer)
     got, want = nnx.state(loaded.weights, nnx.Param), nnx.state(m, nnx.Param)
     for a, b in zip(jax_leaves(got), jax_leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _save_run(workdir, config_arg: str = "test", *, reference: bool = False, step: int = 3):
+    """A training run directory as rl.train leaves it: config.json and a checkpoint at `step` of the train
+    state (with `reference`: packed with the KL reference, as a run with a KL term checkpoints it). Returns
+    the train state."""
+    import jax
+
+    from configs import grpo
+    from rl import checkpoint, run, train_state
+
+    cfg = grpo.get_config(config_arg)
+    if reference and cfg.rl.loss.kl_kind == "none":
+        cfg.rl.loss.kl_kind = "k3"
+    workdir.mkdir(exist_ok=True)
+    (workdir / "config.json").write_text(cfg.to_json_best_effort())
+    _, state = train_state.init_state(cfg, seed=7 + step)  # not the run's seed: the weights are these
+    # Selection biases away from their zero init, so that reading them is checked too.
+    state = state.replace(model_state=jax.tree.map(lambda x: x + 0.25 * (step + 1), state.model_state))
+    ref = train_state.reference_weights(state, cfg.rl.reference_dtype) if reference else None
+    with checkpoint.Checkpointer(str(workdir / "checkpoints"), save_every=1, model_config=cfg.model) as ckpt:
+        ckpt.save(step, run.pack(state, ref, None), {"step": step, "version": 0}, force=True)
+        ckpt.wait()
+    return state
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A training run directory as rl.train leaves it: config.json and a checkpoint at step 3."""
-    from configs import grpo
-    from rl import checkpoint, train_step
+    """A run with a checkpoint at step 3, and its weights."""
+    from rl import train_state
 
-    cfg = grpo.get_config("test")
     workdir = tmp_path_factory.mktemp("serve") / "run"
-    workdir.mkdir()
-    (workdir / "config.json").write_text(cfg.to_json_best_effort())
-    _, state = train_step.init_state(cfg, seed=7)  # not the run's seed: the restored weights are these
-    with checkpoint.Checkpointer(str(workdir / "checkpoints"), save_every=1, model_config=cfg.model) as ckpt:
-        ckpt.save(3, state, {"step": 3, "version": 0}, force=True)
-        ckpt.wait()
-    return workdir, train_step.weights(state)
+    return workdir, train_state.weights(_save_run(workdir))
 
 
 def test_load_run_directory(run_dir):
     workdir, weights = run_dir
-    loaded = serve.load_run(str(workdir))
+    loaded = serve_load.load_run(str(workdir))
     assert loaded.name == "run" and isinstance(loaded.tokenizer, ByteTokenizer)
     for a, b in zip(jax_leaves(loaded.weights), jax_leaves(weights)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("config_arg, reference", [("test", False), ("test,deepseek", True)])
+def test_load_run_reads_the_weights_the_trainer_restores(tmp_path, config_arg, reference):
+    """`load_run` reads only the weights (no `rl`); they are bit for bit, in tree, dtype and placement, those
+    of the trainer's restore of the whole state (`rl.run.restore_state`) merged as the trainer hands them to
+    its engine. Two checkpoints: the latest and a given step; a sigmoid router's selection biases; a
+    checkpoint packed with its KL reference."""
+    import jax
+
+    from inference.engine import weight_shardings
+    from rl import run, train_state
+
+    workdir = tmp_path / "run"
+    for step in (2, 5):
+        _save_run(workdir, config_arg, reference=reference, step=step)
+    cfg = run.read_config(str(workdir))
+    for step in (None, 2):
+        want = train_state.weights(run.restore_state(cfg, str(workdir), step)[0])
+        got = serve_load.load_run(str(workdir), step).weights
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax_leaves(got), jax_leaves(want)):
+            assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if config_arg == "test,deepseek":  # a sigmoid router: selection biases beside the params
+        assert jax_leaves(run.restore_state(cfg, str(workdir))[0].model_state)
+    # On a mesh: the same values, each read into the layout of an engine there.
+    mesh = serve_load.parse_mesh("expert:2,tensor:2")
+    loaded = serve_load.load_run(str(workdir), 2, mesh=mesh, engine_cfg=ECFG)
+    assert loaded.placed
+    where = jax_leaves(weight_shardings(cfg, ECFG, mesh))
+    for a, b, sharding in zip(jax_leaves(loaded.weights), jax_leaves(want), where, strict=True):
+        assert a.sharding == sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -22,11 +22,12 @@ import pytest
 from flax import nnx
 
 from configs.errors import UserError
-from inference import Engine, EngineConfig, SamplingParams, serve
+from inference import Engine, EngineConfig, SamplingParams
 from inference.drafters import WEIGHTS
 from inference.engine import weight_shardings
-from inference.serve_load import load_hf, parse_mesh
-from model import hf_files
+from inference.serve import server as serve_server
+from inference.serve.load import load_hf, parse_mesh
+from model.io import hf_files
 
 pytest.importorskip("safetensors")
 
@@ -111,8 +112,8 @@ def test_hf_dir_on_expert2_tensor2_loads_into_the_engine_layout_and_decodes_alik
     gate = _flat(loaded.weights)[("moe_layers", "blocks", "mlp", "gate")]  # [L, E, D, F] = [2, 4, 32, 24]
     assert gate.sharding.shard_shape(gate.shape) == (2, 2, 32, 12)  # experts over expert, F over tensor
 
-    server = serve.Server.build(loaded, ECFG, draft="ngram", warmup=False, mesh=mesh)
-    plain, fast = (server.loops[n].engine for n in (loaded.name, loaded.name + serve.FAST_SUFFIX))
+    server = serve_server.Server.build(loaded, ECFG, draft="ngram", warmup=False, mesh=mesh)
+    plain, fast = (server.loops[n].engine for n in (loaded.name, loaded.name + serve_server.FAST_SUFFIX))
     loaded_leaves = jax.tree.leaves(loaded.weights)
     for eng in (plain, fast):  # placed: both engines run on the loaded arrays themselves
         assert eng.mesh is mesh
@@ -125,7 +126,7 @@ def test_hf_dir_on_expert2_tensor2_loads_into_the_engine_layout_and_decodes_alik
 
 
 def test_hf_dir_on_tensor4_takes_the_engines_replicated_kv_heads(checkpoint, one_device, monkeypatch):
-    from model import hf
+    from model.io import hf
 
     mesh, loaded, bytes_read = _load_on(checkpoint, "tensor:4", monkeypatch)
     with pytest.raises(ValueError, match="num_kv_heads"):  # the training layout cannot split 2 kv heads

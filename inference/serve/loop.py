@@ -5,7 +5,7 @@
 streaming, else once per finished choice); the loop submits the
 request to the engine, runs `Engine.step` while there is work (continuous batching: new requests join the
 running batch at the next step), and after every step turns each sample's new tokens into text
-(`inference.serve_text.TextStream`: stop strings, held-back prefixes) and sends what may be shown. A stop
+(`inference.serve.text.TextStream`: stop strings, held-back prefixes) and sends what may be shown. A stop
 string ends its sample at once (`Engine.cancel` of that sample frees its pages); `cancel` (a client that
 went away) drops the whole request the same way.
 
@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from inference.sampling import SamplingParams
-from inference.serve_api import APIError
-from inference.serve_metrics import LoopMetrics
-from inference.serve_text import TextStream, Token
-from model.tokenizer import Tokenizer
+from inference.serve.api import APIError
+from inference.serve.metrics import LoopMetrics
+from inference.serve.text import TextStream, Token
+from model.io.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from model.tokenizer import ByteTokenizer, Tokenizer
+from model.io.tokenizer import ByteTokenizer, Tokenizer
 
 REPLACEMENT = "\ufffd"
 # Tokens held for an incomplete character at most (tokenizers other than the byte one, where the cut is

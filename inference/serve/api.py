@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference.sampling import SamplingParams
-from inference.serve_text import Token
-from model.tokenizer import ChatTemplateError, Tokenizer
+from inference.serve.text import Token
+from model.io.tokenizer import ChatTemplateError, Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields the engine does not implement: accepted at the value that changes nothing, else refused.
