@@ -1,16 +1,11 @@
-"""Environments: task domains, sandbox, worker-process pool and the quality gate. Never imports JAX."""
+"""Environments: task domains, sandbox, worker-process pool and the quality gate. Never imports JAX.
 
-from envs import registry
+The environment protocol is importable from here (`from envs import Environment, Score, Task`), as the
+README's "Your own environment" writes it; it comes from `envs.base`, which imports nothing of ours. The
+rest is imported by module: `envs.registry`, `envs.pool` (`EnvPool`), `envs.sandbox.box`, `envs.qa.gate`,
+`envs.domains.*`.
+"""
+
 from envs.base import STATUSES, Environment, Episode, Score, SingleTurnEnvironment, Task
-from envs.pool import EnvPool
 
-__all__ = [
-    "STATUSES",
-    "EnvPool",
-    "Environment",
-    "Episode",
-    "Score",
-    "SingleTurnEnvironment",
-    "Task",
-    "registry",
-]
+__all__ = ["STATUSES", "Environment", "Episode", "Score", "SingleTurnEnvironment", "Task"]

@@ -2,9 +2,9 @@
 
 Every domain implements the multi-turn interface (`reset` / `step` / `score_episode`); single-turn domains
 get it from `SingleTurnEnvironment` (one step: the completion), so the RL loop treats all domains alike.
-A domain that implements `make_task(rng, level) -> (prompt, metadata)` gets a seeded, deterministic
-`sample_tasks` for free: a single-turn domain is then `make_task`, `score` and `reference_solution`
-(README, "Your own environment"; `examples/my_envs/`).
+A domain that implements `make_task(rng, level) -> (prompt, metadata)` (or `task_at(seed, index, level)`)
+gets a seeded, deterministic `sample_tasks` for free: a single-turn domain is then `make_task`, `score`
+and `reference_solution` (README, "Your own environment"; `examples/my_envs/`).
 
 `Score.status` is one of `STATUSES`. Only `ok` (reward earned) and `wrong` (a valid attempt that missed)
 are ordinary outcomes; the others (`format_error`, `timeout`, `crash`, `sandbox_violation`, `env_error`)
@@ -63,8 +63,8 @@ class Episode:
 
 
 class Environment:
-    """A task domain. Subclasses set `levels` and implement the methods below (`sample_tasks`, or
-    `make_task` for the default one).
+    """A task domain. Subclasses set `levels` and implement the methods below; `sample_tasks` is written
+    once here, over `task_at(seed, index, level)` (or `make_task(rng, level)` for the default one).
 
     `name` is the domain's name in a run: `envs.registry.make(name)` sets it on the environment it makes
     (a built-in name, an entry point's name, or an import path "package.module:Class"), and tasks carry it
@@ -74,6 +74,7 @@ class Environment:
 
     name: str = ""
     levels: tuple[int, ...] = (0,)  # difficulty levels `sample_tasks` can produce
+    level_seed: str = "levels"  # what keys the generator of `draw_levels` (with the seed)
     max_turns: int = 1
     # What rl.data's train / held-out split hashes: "prompt" (no prompt in two splits) or "task" (prompt and
     # metadata: for domains with a few prompt templates over per-task hidden data).
@@ -81,24 +82,31 @@ class Environment:
 
     def make_task(self, rng: random.Random, level: int) -> tuple[str, dict[str, Any]]:
         """(prompt, metadata) of one task of difficulty `level`, drawn from `rng` only; metadata is
-        JSON-serialisable and holds what scoring needs. Implement it to use the default `sample_tasks`."""
+        JSON-serialisable and holds what scoring needs. Implement it to use the default `task_at`."""
         raise NotImplementedError(
-            f"{type(self).__name__} implements neither sample_tasks nor make_task(rng, level)"
+            f"{type(self).__name__} implements neither sample_tasks, task_at nor make_task(rng, level)"
         )
 
     def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
-        """`n` tasks of `seed`, a pure function of (seed, n, difficulty). The default: task i is
-        `make_task(random.Random(f"{seed}:{i}:{level}"), level)`, each level drawn from `levels` by a
-        generator of `seed` unless `difficulty` is given."""
+        """`n` tasks of `seed`, a pure function of (seed, n, difficulty): task i is `task_at(seed, i, level)`,
+        `level` being `difficulty` when given, else the i-th of `draw_levels(seed, n)`."""
         if difficulty is not None and difficulty not in self.levels:
             raise ValueError(f"{self.name}: difficulty {difficulty} not in levels {self.levels}")
-        level_rng = random.Random(f"levels:{seed}")
-        tasks = []
-        for i in range(n):
-            level = difficulty if difficulty is not None else level_rng.choice(self.levels)
-            prompt, metadata = self.make_task(random.Random(f"{seed}:{i}:{level}"), level)
-            tasks.append(Task(f"{self.name}/{seed}/{i}/L{level}", self.name, prompt, dict(metadata), level))
-        return tasks
+        levels = [difficulty] * n if difficulty is not None else self.draw_levels(seed, n)
+        return [self.task_at(seed, i, level) for i, level in enumerate(levels)]
+
+    def draw_levels(self, seed: int, n: int) -> list[int | None]:
+        """The levels of `n` tasks of `seed` when no difficulty is asked: each drawn from `levels` by one
+        generator keyed by (`level_seed`, seed). A domain whose `task_at` draws the level itself returns
+        None for each."""
+        rng = random.Random(f"{self.level_seed}:{seed}")
+        return [rng.choice(self.levels) for _ in range(n)]
+
+    def task_at(self, seed: int, index: int, level: int | None) -> Task:
+        """Task `index` of `seed` at `level`. The default: `make_task` with the generator
+        `random.Random(f"{seed}:{index}:{level}")`, under the id `<name>/<seed>/<index>/L<level>`."""
+        prompt, metadata = self.make_task(random.Random(f"{seed}:{index}:{level}"), level)
+        return Task(f"{self.name}/{seed}/{index}/L{level}", self.name, prompt, dict(metadata), level)
 
     def reference_solution(self, task: Task) -> str:
         """A completion that scores 1.0 (multi-turn domains: the actions, one per line). The SFT warm start

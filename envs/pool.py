@@ -22,12 +22,10 @@ import itertools
 import math
 import multiprocessing
 import os
-import queue
 import signal
 import sys
 import threading
 import time
-import traceback
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -37,125 +35,11 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from envs import registry
-from envs.sandbox import workroot
-from envs.base import Environment, Episode, Score, Task
+from envs.base import Score, Task
+from envs.worker import failure, worker_main
 
 KINDS = ("score", "episode")
 _STATS_WINDOW = 10_000  # latencies kept for the percentiles
-_ORPHAN_EXIT_S = 5.0  # a worker whose parent is gone exits after this long, even mid-call
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Worker process (plain Python: envs and the standard library only)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _worker_main(
-    requests: mp_connection.Connection, results: mp_connection.Connection, domains: dict, targets: dict
-) -> None:
-    """Makes the environments, reports ready, then answers requests in order until the parent hangs up.
-    `targets`: the parent's "module:attr" of each domain name (names it registered or found as entry points
-    resolve here as there; sys.path and the working directory come with the process start)."""
-    os.setpgrp()  # own process group: Ctrl-C at the terminal is the parent's; killpg reaches our children
-    try:
-        for name, target in targets.items():
-            registry.register(name, target)
-        envs = {name: registry.make(name, **kwargs) for name, kwargs in domains.items()}
-    except Exception:
-        results.send(("error", traceback.format_exc()))
-        return
-    signal.signal(signal.SIGTERM, lambda signum, frame: _exit_now(envs, 128 + signum))
-    results.send(("ready", {"pid": os.getpid(), "jax_loaded": "jax" in sys.modules, "domains": list(envs)}))
-    inbox = _start_receiver(requests)
-    previous_end = 0.0
-    while (item := inbox.get()) is not None:
-        (request_id, kind, task, payload), received_at = item
-        start = time.monotonic()
-        result = _execute(envs, kind, task, payload)
-        end = time.monotonic()
-        reply = (request_id, result, end - start, max(0.0, previous_end - received_at))
-        previous_end = end
-        try:
-            results.send(reply)
-        except Exception as e:  # an unpicklable result; the stream is intact (pickling precedes writing)
-            results.send((request_id, _failure(kind, _env_error(e)), end - start, reply[3]))
-    _close_envs(envs)
-
-
-def _start_receiver(requests: mp_connection.Connection) -> queue.SimpleQueue:
-    """Drains the request pipe in a thread: a parent sending a large request never waits for a busy worker."""
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def receive() -> None:
-        try:
-            while True:
-                message = requests.recv()
-                inbox.put((message, time.monotonic()))
-        except (EOFError, OSError):
-            inbox.put(None)
-        time.sleep(_ORPHAN_EXIT_S)  # the main thread normally finishes first; a hung call does not
-        os._exit(1)
-
-    threading.Thread(target=receive, daemon=True, name="envpool-receiver").start()
-    return inbox
-
-
-def _execute(envs: dict[str, Environment], kind: str, task: Task, payload: Any) -> Any:
-    env = envs.get(task.domain)
-    if env is None:
-        return _failure(kind, Score(0.0, "env_error", {"error": f"domain {task.domain!r} not in this pool"}))
-    if kind == "score":
-        try:
-            return _checked(env.score(task, payload))
-        except Exception as e:
-            return _env_error(e)
-    episode = None
-    try:
-        episode = env.reset(task)
-        for action in payload:
-            if episode.done:
-                break
-            episode = env.step(episode, action)
-        return _episode_dict(episode), _checked(env.score_episode(task, episode))
-    except Exception as e:
-        return _episode_dict(episode), _env_error(e)
-
-
-def _checked(score: Any) -> Score:
-    if not isinstance(score, Score):
-        raise TypeError(f"environment returned {type(score).__name__}, not envs.Score")
-    return score
-
-
-def _episode_dict(episode: Episode | None) -> dict[str, Any]:
-    if episode is None:
-        return {}
-    fields = ("observation", "done", "turns", "transcript", "state")
-    return {name: getattr(episode, name) for name in fields}
-
-
-def _env_error(e: BaseException) -> Score:
-    return Score(0.0, "env_error", {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-
-
-def _failure(kind: str, score: Score) -> Any:
-    """The result of a call that produced no environment output, shaped like the call's normal result."""
-    return score if kind == "score" else ({}, score)
-
-
-def _close_envs(envs: dict[str, Environment]) -> None:
-    for env in envs.values():
-        with contextlib.suppress(Exception):
-            env.close()
-    # A worker leaves through os._exit (multiprocessing's, or ours on SIGTERM), which runs no exit handlers:
-    # the sandboxes' private root goes now (a worker killed outright leaves its root to the next process
-    # that makes one, `envs.sandbox.workroot.remove_abandoned`).
-    workroot.remove()  # a no-op where no sandbox was made
-
-
-def _exit_now(envs: dict[str, Environment], code: int) -> None:
-    _close_envs(envs)
-    os._exit(code)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -309,7 +193,7 @@ class _Worker:
         requests_r, self._requests = ctx.Pipe(duplex=False)
         self._results, results_w = ctx.Pipe(duplex=False)
         process = ctx.Process(
-            target=_worker_main,
+            target=worker_main,
             args=(requests_r, results_w, self._pool.domains, self._pool.targets),
             name=f"envpool-worker-{self._index}",
             daemon=True,
@@ -646,7 +530,7 @@ class EnvPool:
         request.future.set_result(result)
 
     def _finish_failed(self, request: _Request, status: str, details: dict[str, Any]) -> None:
-        self._finish(request, _failure(request.kind, Score(0.0, status, details)))
+        self._finish(request, failure(request.kind, Score(0.0, status, details)))
 
     def _fail_all(self, requests: list[_Request], reason: str) -> None:
         for request in requests:

@@ -52,10 +52,10 @@ ENTRY_POINT_GROUP = "moe_post_train.environments"
 # name -> "module:Class"; the built-in domains, imported only when made.
 BUILTIN: dict[str, str] = {
     "math": "envs.domains.math_env:MathEnvironment",
-    "code": "envs.domains.code_env:CodeEnvironment",
-    "terminal": "envs.domains.terminal_env:TerminalEnvironment",
+    "code": "envs.domains.code.env:CodeEnvironment",
+    "terminal": "envs.domains.terminal.env:TerminalEnvironment",
     "scene3d": "envs.domains.scene3d:Scene3DEnvironment",
-    "finance": "envs.domains.finance:FinanceEnvironment",
+    "finance": "envs.domains.finance.env:FinanceEnvironment",
     "arith": "envs.domains.arith:ArithEnvironment",  # toy sizes for the CPU demo
     "strings": "envs.domains.strings:StringsEnvironment",  # toy sizes for the CPU demo
     "debug": "envs.domains.debug:DebugEnvironment",  # sleeps / crashes / errors on request: pool tests

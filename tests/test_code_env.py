@@ -12,7 +12,8 @@ import pytest
 
 from envs import registry
 from envs.base import Task
-from envs.domains import code_env
+from envs.domains.code import env as code_env
+from envs.domains.code import problems
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def env():
 
 
 def _find(family: str, level: int) -> Task:
-    return next(t for i in range(100) if (t := code_env.make_task(7, i, level)).metadata["family"] == family)
+    return next(t for i in range(100) if (t := problems.make_task(7, i, level)).metadata["family"] == family)
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +52,18 @@ def test_prompt_shows_spec_but_not_reference_or_hidden_outputs(env):
         assert f"def {t.metadata['function']}" not in t.prompt
         body = env.reference_solution(t).split("\n", 1)[1]
         assert body.strip()[:40] not in t.prompt
-        assert t.metadata["function"] in t.prompt and len(t.metadata["inputs"]) == code_env.NUM_TESTS
+        assert t.metadata["function"] in t.prompt and len(t.metadata["inputs"]) == problems.NUM_TESTS
 
 
-@pytest.mark.parametrize("level", code_env.LEVELS)
+@pytest.mark.parametrize("level", problems.LEVELS)
 def test_reference_solves_every_family(env, level):
-    tasks = [code_env.make_task(seed=11, index=i, level=level) for i in range(40)]
+    tasks = [problems.make_task(seed=11, index=i, level=level) for i in range(40)]
     by_family = {t.metadata["family"]: t for t in tasks}
-    assert set(by_family) == set(code_env.FAMILIES)
+    assert set(by_family) == set(problems.FAMILIES)
     for t in by_family.values():
         score = env.score(t, env.reference_solution(t))
         assert (score.reward, score.status) == (1.0, "ok"), (t.id, score)
-        assert score.details["passed"] == score.details["total"] == code_env.NUM_TESTS
+        assert score.details["passed"] == score.details["total"] == problems.NUM_TESTS
         assert score.details["isolation"]
 
 

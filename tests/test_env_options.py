@@ -8,9 +8,10 @@ import json
 import ml_collections
 import pytest
 
-from envs import EnvPool, registry
-from envs.sandbox import box as sandbox
+from envs import registry
 from envs.domains.math_env import MathEnvironment
+from envs.pool import EnvPool
+from envs.sandbox import box as sandbox
 from rl import data
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from envs import registry
 from envs.domains import answers
-from envs.domains.finance import LEVEL_CHARS
+from envs.domains.finance.company import LEVEL_CHARS
 
 LEVELS = (0, 1, 2, 3)
 N_TASKS = 50

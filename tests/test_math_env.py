@@ -321,7 +321,7 @@ def test_tfds_array_record_round_trip(tmp_path):
 
 def test_envs_domains_import_neither_jax_nor_tfds():
     code = (
-        "import sys, envs.domains.math_env, envs.domains.finance\n"
+        "import sys, envs.domains.math_env, envs.domains.finance.env\n"
         "bad = [m for m in ('jax', 'tensorflow_datasets', 'tensorflow') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

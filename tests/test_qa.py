@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
-from envs import qa, qa_escape, registry
-from envs.sandbox import box as sandbox
+from envs import registry
 from envs.base import Score, SingleTurnEnvironment, Task
+from envs.qa import escape, probes
+from envs.qa import gate as qa
+from envs.sandbox import box as sandbox
 
 REPO = __file__.rsplit("/tests/", 1)[0]
 GATED = ("scene3d", "math", "finance", "code", "terminal")  # `debug` misbehaves on purpose (pool tests)
@@ -78,9 +80,9 @@ def test_gate_passes_for_real_domains(domain, pool):
     names = {c.name for c in report.checks}
     assert {"levels", "solvability", "consistency", "strata", "probe:empty", "probe:echo_prompt"} <= names
     assert "probe:print_pass" in names and "probe:huge_output" in names
-    if domain in qa.CODE_DOMAINS:
-        assert {f"probe:{p}" for p in qa.CODE_PROBES} <= names
-        assert {f"probe:{p}" for p in qa_escape.ESCAPE_PROBES} <= names
+    if domain in probes.CODE_DOMAINS:
+        assert {f"probe:{p}" for p in probes.CODE_PROBES} <= names
+        assert {f"probe:{p}" for p in escape.ESCAPE_PROBES} <= names
         assert all(
             r["side_effects"] == []
             for c in report.checks
@@ -101,9 +103,9 @@ def test_noisy_reference_is_seeded():
     import random
 
     text = "Answer: 12345\nline two 678\n"
-    assert qa.noisy(text, 0.0, random.Random(0)) == text
-    assert qa.noisy(text, 0.5, random.Random(1)) == qa.noisy(text, 0.5, random.Random(1))
-    assert qa.noisy(text, 1.0, random.Random(1)) == ""
+    assert probes.noisy(text, 0.0, random.Random(0)) == text
+    assert probes.noisy(text, 0.5, random.Random(1)) == probes.noisy(text, 0.5, random.Random(1))
+    assert probes.noisy(text, 1.0, random.Random(1)) == ""
 
 
 def test_broken_domain_fails_with_probe_named():

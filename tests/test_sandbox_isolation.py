@@ -1,5 +1,5 @@
 """What each isolation level of envs.sandbox keeps in, probed as an attacker would and judged by the side
-effects on the host (envs.qa_escape), not by what the probe prints: at the mount level nothing gets out,
+effects on the host (envs.qa.escape), not by what the probe prints: at the mount level nothing gets out,
 with the project's own backend and with bubblewrap (skipped where it is not installed), as root and as an
 unprivileged user; below it the same probes are caught, so the judge can fail. And: code and terminal
 domains refuse to start below the mount level unless overridden, loudly."""
@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from envs import qa_escape, registry
+from envs import registry
+from envs.qa import escape
 from envs.sandbox import box as sandbox
 from envs.sandbox.box import Limits, Sandbox
 
@@ -28,8 +29,8 @@ TINY = Limits(memory_bytes=128 << 20, total_memory_bytes=256 << 20, wall_s=8.0, 
 
 
 def _probe(name: str, limits: Limits = TINY) -> tuple[sandbox.RunResult, list[str]]:
-    with qa_escape.Watch(limits.total_memory_bytes) as watch:
-        source = watch.preamble() + qa_escape.ESCAPE_PROBES[name]
+    with escape.Watch(limits.total_memory_bytes) as watch:
+        source = watch.preamble() + escape.ESCAPE_PROBES[name]
         run = sandbox.run_once(["python3", "-c", source, watch.token], limits=limits)
         return run, watch.findings()
 
@@ -51,10 +52,10 @@ def backend(request):
 def level_below():
     yield
     sandbox.configure()
-    qa_escape.remove_left_files()
+    escape.remove_left_files()
 
 
-@pytest.mark.parametrize("name", qa_escape.ESCAPE_PROBES)
+@pytest.mark.parametrize("name", escape.ESCAPE_PROBES)
 def test_escape_probe_does_nothing_to_the_host_at_the_mount_level(name, backend):
     run, findings = _probe(name)
     assert findings == [], run.stderr
@@ -100,7 +101,7 @@ def test_probes_running_at_once_leave_each_others_bait_alone(level_below):
     worker's `list_proc` probe at the rlimits level, running at the same moment, followed the leads of
     every decoy it found. A probe now follows only its own watch's decoy; the other watch sees nothing."""
     sandbox.configure(level="rlimits")
-    with qa_escape.Watch(TINY.total_memory_bytes) as other:
+    with escape.Watch(TINY.total_memory_bytes) as other:
         run, findings = _probe("list_proc")
         assert any(f.startswith("host process seen") for f in findings), (findings, run.stderr)
         assert other.findings() == []
@@ -159,7 +160,7 @@ def test_code_of_the_same_uid_cannot_take_over_a_child_made_ahead(level_below):
 
 @needs_mount
 def test_a_left_file_is_gone_for_the_next_run():
-    with Sandbox(limits=TINY) as sb, qa_escape.Watch(TINY.total_memory_bytes) as watch:
+    with Sandbox(limits=TINY) as sb, escape.Watch(TINY.total_memory_bytes) as watch:
         assert sb.run(f"for d in /tmp /var/tmp /dev/shm; do echo x > $d/{watch.token}; done").status == "ok"
         look = sb.run(f"ls /tmp /var/tmp /dev/shm; cat /tmp/{watch.token}")
         assert look.status == "error" and watch.token not in look.stdout
@@ -201,7 +202,7 @@ def test_code_and_terminal_refuse_to_start_below_the_mount_level(level_below, ca
 
 
 def test_pool_start_fails_below_the_mount_level():
-    code = "from envs import EnvPool\nEnvPool(1, domains=['terminal'], startup_timeout_s=60)"
+    code = "from envs.pool import EnvPool\nEnvPool(1, domains=['terminal'], startup_timeout_s=60)"
     env = {**os.environ, "ENVS_SANDBOX_LEVEL": "rlimits"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode != 0
@@ -211,12 +212,12 @@ def test_pool_start_fails_below_the_mount_level():
 # The unprivileged path: the probes again, run by a process of an ordinary uid (as root, through setpriv).
 _UNPRIVILEGED = """
 import json, sys
-from envs import qa_escape
+from envs.qa import escape
 from envs.sandbox import box as sandbox
 limits = sandbox.Limits(**json.loads(sys.argv[1]))
 out = {"isolation": sandbox.isolation().to_json(), "findings": {}}
-for name, source in qa_escape.ESCAPE_PROBES.items():
-    with qa_escape.Watch(limits.total_memory_bytes) as watch:
+for name, source in escape.ESCAPE_PROBES.items():
+    with escape.Watch(limits.total_memory_bytes) as watch:
         run = sandbox.run_once(["python3", "-c", watch.preamble() + source, watch.token], limits=limits)
         out["findings"][name] = watch.findings()
 out["id"] = sandbox.run_once("id -u").stdout.strip()
@@ -241,4 +242,4 @@ def test_escape_probes_as_an_unprivileged_user():
     if out["isolation"]["level"] != "mount":
         pytest.skip(f"unprivileged user namespaces are not allowed here: {out['isolation']['notes']}")
     assert out["id"] == uid
-    assert out["findings"] == {name: [] for name in qa_escape.ESCAPE_PROBES}
+    assert out["findings"] == {name: [] for name in escape.ESCAPE_PROBES}

@@ -10,18 +10,19 @@ import uuid
 import pytest
 
 from envs import registry
-from envs.sandbox import box as sandbox
 from envs.base import Task
-from envs.domains import terminal_env
+from envs.domains.terminal import env as terminal_env
+from envs.domains.terminal import tasks as terminal_tasks
+from envs.sandbox import box as sandbox
 
 
 def _find(family: str, level: int, seed: int = 0) -> Task:
     return next(
-        t for i in range(100) if (t := terminal_env.make_task(seed, i, level)).metadata["family"] == family
+        t for i in range(100) if (t := terminal_tasks.make_task(seed, i, level)).metadata["family"] == family
     )
 
 
-ALL_KINDS = [(family, level) for family in terminal_env.FAMILIES for level in terminal_env.LEVELS]
+ALL_KINDS = [(family, level) for family in terminal_tasks.FAMILIES for level in terminal_tasks.LEVELS]
 
 
 @pytest.fixture(scope="module")

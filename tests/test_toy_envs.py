@@ -2,8 +2,9 @@
 
 import pytest
 
-from envs import qa, registry
+from envs import registry
 from envs.domains import arith, strings
+from envs.qa import gate as qa
 
 
 @pytest.mark.parametrize("name", ["arith", "strings"])

@@ -13,7 +13,7 @@ GUESS = "examples.my_envs.guess:GuessNumber"
 
 
 def test_main_job_trains_on_import_path_domains(tmp_path, monkeypatch):
-    from envs import EnvPool
+    from envs.pool import EnvPool
     from rl import train
 
     monkeypatch.syspath_prepend(ROOT)  # as a user runs it: from the repository root

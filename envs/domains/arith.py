@@ -54,13 +54,10 @@ class ArithEnvironment(SingleTurnEnvironment):
 
     name = "arith"
     levels = (0, 1, 2, 3)
+    level_seed = "arith-levels"
 
-    def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
-        if difficulty is not None and difficulty not in self.levels:
-            raise ValueError(f"arith: difficulty {difficulty} not in {self.levels}")
-        level_rng = random.Random(f"arith-levels:{seed}")
-        chosen = [difficulty if difficulty is not None else level_rng.choice(self.levels) for _ in range(n)]
-        return [generate_task(seed, i, level) for i, level in enumerate(chosen)]
+    def task_at(self, seed: int, index: int, level: int | None) -> Task:
+        return generate_task(seed, index, level)
 
     def reference_solution(self, task: Task) -> str:
         return task.metadata["answer"]

@@ -51,17 +51,12 @@ class DebugEnvironment(SingleTurnEnvironment):
             raise ValueError(f"debug: delay_median_s={delay_median_s!r} must be >= 0 ({DELAY_ENV_VAR})")
         self.delay_median_s = delay_median_s
 
-    def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
-        tasks = []
-        for i in range(n):
-            metadata: dict = {"answer": "ok"}
-            if self.delay_median_s > 0:
-                rng = random.Random(f"debug-delay-{seed}-{i}")  # str seeds hash the same in every process
-                metadata["delay_s"] = round(rng.lognormvariate(math.log(self.delay_median_s), DELAY_SIGMA), 6)
-            tasks.append(
-                Task(id=f"debug-{seed}-{i}", domain=self.name, prompt="Reply with: ok", metadata=metadata)
-            )
-        return tasks
+    def task_at(self, seed: int, index: int, level: int | None) -> Task:
+        metadata: dict = {"answer": "ok"}
+        if self.delay_median_s > 0:
+            rng = random.Random(f"debug-delay-{seed}-{index}")  # str seeds hash the same in every process
+            metadata["delay_s"] = round(rng.lognormvariate(math.log(self.delay_median_s), DELAY_SIGMA), 6)
+        return Task(id=f"debug-{seed}-{index}", domain=self.name, prompt="Reply with: ok", metadata=metadata)
 
     def reference_solution(self, task: Task) -> str:
         return "ok"

@@ -449,6 +449,7 @@ class MathEnvironment(SingleTurnEnvironment):
 
     name = "math"
     levels = (-1, 0, 1, 2, 3)
+    level_seed = "math-levels"
     data_splits: tuple[str, ...] = ()  # ("train", "test") when the data comes split
 
     def __init__(
@@ -494,7 +495,7 @@ class MathEnvironment(SingleTurnEnvironment):
     ) -> list[Task]:
         """`n` tasks of `seed`; with split data, of `split` ("train" or "test"; default "train")."""
         if difficulty is not None and difficulty not in self.levels:
-            raise ValueError(f"math: difficulty {difficulty} not in {self.levels}")
+            raise ValueError(f"{self.name}: difficulty {difficulty} not in levels {self.levels}")
         if self.data_splits:
             split = split or "train"
             if split not in self.data_splits:
@@ -507,9 +508,10 @@ class MathEnvironment(SingleTurnEnvironment):
             )
         if self.tasks:
             return self._sample_data(self.tasks, seed, n, difficulty, None)
-        level_rng = random.Random(f"math-levels:{seed}")
-        chosen = [difficulty if difficulty is not None else level_rng.choice(self.levels) for _ in range(n)]
-        return [generate_task(seed, i, level) for i, level in enumerate(chosen)]
+        return super().sample_tasks(seed, n, difficulty=difficulty)
+
+    def task_at(self, seed: int, index: int, level: int | None) -> Task:
+        return generate_task(seed, index, level)
 
     @staticmethod
     def _sample_data(

@@ -456,9 +456,11 @@ class Scene3DEnvironment(SingleTurnEnvironment):
     name = "scene3d"
     levels = (0, 1, 2, 3)
 
-    def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
-        levels = self.levels if difficulty is None else (difficulty,)
-        return [_make_task(seed, i, levels[i % len(levels)]) for i in range(n)]
+    def draw_levels(self, seed: int, n: int) -> list[int | None]:
+        return [self.levels[i % len(self.levels)] for i in range(n)]  # the levels in turn
+
+    def task_at(self, seed: int, index: int, level: int | None) -> Task:
+        return _make_task(seed, index, level)
 
     def reference_solution(self, task: Task) -> str:
         scene = build_reference(task.metadata)

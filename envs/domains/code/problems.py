@@ -1,37 +1,23 @@
-"""Domain `code`: implement a Python function from a spec; hidden tests run in the sandbox.
-
-Tasks are procedural: four families (strings, lists, parsing, dynamic programming), one problem per family
-and difficulty level 0..3, each with random parameters (a shift, a separator, coin values, edit costs) so the
-spec and the answers change with the seed. The reference implementation of every problem lives here as source
-(never in the prompt); the hidden test inputs and their expected outputs (computed by running the reference
-in this trusted process) live in `Task.metadata`.
-
-Scoring never lets the expected outputs near the solution. The sandbox receives only the solution, the test
-inputs and `_RUNNER`; the runner forks one worker per test (a fresh process, so state cannot leak between
-tests and an infinite loop costs only its own test), reads each worker's output as JSON over a pipe and prints
-them all; this process compares them with the expected outputs as canonical JSON (so `True` is not `1` and an
-object with a lying `__eq__` cannot pass). Inside each worker an audit hook refuses network, subprocesses,
-signals, ctypes, and file access outside the work dir (reads: also the Python installation), and reports the
-attempt, which scores `sandbox_violation`: defence in depth on top of the sandbox's own isolation.
+"""The problem bank of domain `code`: four families (strings, lists, parsing, dynamic programming), one
+problem per family and difficulty level 0..3, each with random parameters (a shift, a separator, coin values,
+edit costs) so the spec and the answers change with the seed. The reference implementation of every problem
+lives here as source (never in the prompt); `make_task` runs it in this trusted process for the hidden
+tests' expected outputs, which live in `Task.metadata`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import random
-import re
 from collections.abc import Callable
 from typing import Any
 
-from envs.sandbox import box as sandbox
-from envs.base import Score, SingleTurnEnvironment, Task
+from envs.base import Task
 
 LEVELS = (0, 1, 2, 3)
 NUM_TESTS = 10
 NUM_EXAMPLES = 2
-MAX_CODE_CHARS = 64_000
 
 _LOWER = "abcdefghijklmnopqrstuvwxyz"
 _WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "zeta", "rho", "tau", "phi", "psi")
@@ -525,148 +511,8 @@ def edit_cost(a, b):
         lambda rng, p: [["", ""], ["", "ab"], ["kitten", "sitting"]] + _pairs(rng, "abcd", 10),
     ),
 )
-_BY_KEY = {(p.family, p.level): p for p in _PROBLEMS}
+BY_KEY = {(p.family, p.level): p for p in _PROBLEMS}
 FAMILIES = tuple(dict.fromkeys(p.family for p in _PROBLEMS))
-
-# The runner, run by the sandbox as `python3 -I -S -B runner.py` (the python3 on the sandbox's PATH: the
-# sandboxed uid may not be able to run this process's interpreter). It never sees expected outputs;
-# whatever it (or a solution that subverts it) prints is compared outside. Control lines from a worker:
-# "I" (imported), "M" (function missing), "X<type>" (import raised), "E<type>" (the call raised),
-# "V<what>" (forbidden operation), "R<json>" (the result).
-_RUNNER = r"""
-import json, os, select, signal, sys, time
-
-WORKDIR = os.path.realpath(os.getcwd())
-READABLE = tuple({os.path.realpath(p) for p in (WORKDIR, sys.prefix, sys.base_prefix, sys.exec_prefix)})
-BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-           "os.forkpty", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "resource.setrlimit",
-           "resource.prlimit", "pty.", "os.setuid", "os.chroot")
-PATH_ARGS = {"os.remove": (0,), "os.rename": (0, 1), "os.rmdir": (0,), "os.mkdir": (0,), "os.chmod": (0,),
-             "os.chown": (0,), "os.symlink": (1,), "os.link": (1,), "os.truncate": (0,), "os.utime": (0,),
-             "shutil.rmtree": (0,), "os.mkfifo": (0,), "os.mknod": (0,)}
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-TIMEOUT_S, MAX_TIMEOUTS, MAX_MESSAGE = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-
-
-def _under(path, roots):
-    if isinstance(path, int):
-        return True
-    real = os.path.realpath(os.fsdecode(path))
-    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
-
-
-def _worker(source, name, args, wfd):
-    write, exit_ = os.write, os._exit
-
-    def send(tag, text=""):
-        write(wfd, (tag + text.replace("\n", " ")[:MAX_MESSAGE] + "\n").encode("utf-8", "replace"))
-
-    def hook(event, hook_args):
-        what = None
-        if event == "open":
-            writing = isinstance(hook_args[2], int) and hook_args[2] & WRITE_FLAGS
-            if not _under(hook_args[0], (WORKDIR,) if writing else READABLE):
-                what = ("write " if writing else "read ") + os.fsdecode(hook_args[0])
-        elif event.startswith(BLOCKED):
-            what = event
-        elif event in PATH_ARGS and not all(_under(hook_args[i], (WORKDIR,)) for i in PATH_ARGS[event]):
-            what = event + " outside the work dir"
-        if what is not None:
-            send("V", what)
-            raise PermissionError("forbidden in the sandbox: " + what)
-
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    sys.addaudithook(hook)
-    namespace = {"__name__": "solution", "__builtins__": __builtins__}
-    try:
-        exec(compile(source, "solution.py", "exec"), namespace)
-    except BaseException as e:
-        send("X", type(e).__name__)
-        exit_(0)
-    fn = namespace.get(name)
-    if not callable(fn):
-        send("M")
-        exit_(0)
-    send("I")
-    try:
-        text = json.dumps(fn(*args))
-    except BaseException as e:
-        send("E", type(e).__name__)
-        exit_(0)
-    if not isinstance(text, str) or len(text) > MAX_MESSAGE:
-        send("E", "OutputTooLarge" if isinstance(text, str) else "NotJSON")
-        exit_(0)
-    send("R", text)
-    exit_(0)
-
-
-def _collect(rfd, pid):
-    buf, deadline, status = b"", time.monotonic() + TIMEOUT_S, None
-    while status is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            status = "timeout"
-        elif select.select([rfd], [], [], remaining)[0]:
-            chunk = os.read(rfd, 1 << 16)
-            buf += chunk
-            status = "eof" if not chunk else "too_large" if len(buf) > 4 * MAX_MESSAGE else None
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    os.waitpid(pid, 0)
-    return buf.decode("utf-8", "replace"), status
-
-
-def _run_one(source, name, args):
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(rfd)
-        try:
-            _worker(source, name, args, wfd)
-        finally:
-            os._exit(0)
-    os.close(wfd)
-    text, status = _collect(rfd, pid)
-    os.close(rfd)
-    lines = [line for line in text.split("\n") if line]
-    report = {"violations": [line[1:] for line in lines if line[0] == "V"][:3], "imported": "I" in lines}
-    for line in lines:
-        if line[0] in "MXER" and "status" not in report:
-            report["status"] = {"M": "missing", "X": "import_error", "E": "error", "R": "result"}[line[0]]
-            report["detail"] = line[1:]
-    if status in ("timeout", "too_large"):
-        report["status"] = status
-    report.setdefault("status", "no_result")
-    return report
-
-
-def main():
-    with open("inputs.json") as f:
-        spec = json.load(f)
-    with open("solution.py") as f:
-        source = f.read()
-    tests, timeouts = [], 0
-    for args in spec["inputs"]:
-        if timeouts >= MAX_TIMEOUTS:
-            tests.append({"status": "skipped", "violations": []})
-            continue
-        report = _run_one(source, spec["function"], args)
-        timeouts += report["status"] == "timeout"
-        tests.append(report)
-        if report["status"] in ("missing", "import_error") or (report["status"] == "timeout"
-                                                             and not report["imported"]):
-            stop = dict(report, violations=[])
-            tests += [stop] * (len(spec["inputs"]) - len(tests))
-            break
-    sys.stdout.write("\n" + json.dumps({"tests": tests}) + "\n")
-
-
-main()
-"""
 
 
 def reference_source(problem: Problem, params: dict[str, Any]) -> str:
@@ -675,7 +521,7 @@ def reference_source(problem: Problem, params: dict[str, Any]) -> str:
     return f"{constants}{problem.body}"
 
 
-def _call_reference(source: str, function: str, inputs: list[list[Any]]) -> list[Any]:
+def call_reference(source: str, function: str, inputs: list[list[Any]]) -> list[Any]:
     namespace: dict[str, Any] = {"__name__": "reference"}
     exec(compile(source, "reference.py", "exec"), namespace)
     return [json.loads(json.dumps(namespace[function](*args))) for args in inputs]
@@ -685,13 +531,13 @@ def make_task(seed: int, index: int, level: int | None = None) -> Task:
     """Task `index` of `seed`: a family, level, parameters, hidden tests and their expected outputs."""
     rng = random.Random(f"code:{seed}:{index}")
     level = rng.choice(LEVELS) if level is None else level
-    problem = _BY_KEY[(rng.choice(FAMILIES), level)]
+    problem = BY_KEY[(rng.choice(FAMILIES), level)]
     params = problem.params(rng)
     inputs = problem.inputs(rng, params)[:NUM_TESTS]
     examples = problem.inputs(random.Random(f"code-examples:{seed}:{index}"), params)[-NUM_EXAMPLES:]
     source = reference_source(problem, params)
-    expected = _call_reference(source, problem.function, inputs)
-    shown = _call_reference(source, problem.function, examples)
+    expected = call_reference(source, problem.function, inputs)
+    shown = call_reference(source, problem.function, examples)
     lines = [f"    {problem.function}({', '.join(map(repr, a))}) == {e!r}" for a, e in zip(examples, shown)]
     prompt = (
         f"Write a Python function `{problem.signature}`.\n\n"
@@ -710,129 +556,3 @@ def make_task(seed: int, index: int, level: int | None = None) -> Task:
         "expected": expected,
     }
     return Task(f"code/{problem.family}/{level}/{seed}-{index}", "code", prompt, metadata, level)
-
-
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-
-
-def extract_code(completion: str) -> str:
-    """The last fenced code block, else the whole completion."""
-    blocks = _FENCE.findall(completion)
-    return blocks[-1] if blocks else completion
-
-
-def check_code(code: str, function: str) -> str | None:
-    """Why `code` cannot be a submission (no code, too long, a syntax error, no `function`), or None."""
-    if not code.strip():
-        return "no code"
-    if len(code) > MAX_CODE_CHARS:
-        return f"code longer than {MAX_CODE_CHARS} characters"
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-        return f"does not parse: {type(e).__name__}"
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == function:
-            return None
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id == function:
-            return None
-        if isinstance(node, ast.alias) and (node.asname or node.name) == function:
-            return None
-    return f"function `{function}` is not defined"
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, allow_nan=True)
-
-
-def _failure(report: dict[str, Any], expected: Any) -> str | None:
-    """Why one hidden test failed (never revealing the expected value), or None when it passed."""
-    status = report.get("status")
-    if status != "result":
-        detail = report.get("detail")
-        return f"{status}:{detail}" if detail else str(status)
-    try:
-        got = json.loads(report.get("detail", ""))
-    except (ValueError, RecursionError):
-        return "output is not JSON"
-    return None if _canonical(got) == _canonical(expected) else "wrong_output"
-
-
-def verdict(task: Task, run: sandbox.RunResult, reward_mode: str) -> Score:
-    """Compares the runner's report with the expected outputs (outside the sandbox)."""
-    details: dict[str, Any] = {"isolation": run.isolation, "total": len(task.metadata["expected"])}
-    if run.timed_out:
-        return Score(0.0, "timeout", {**details, "passed": 0, "reason": "the whole run timed out"})
-    try:
-        tests = json.loads(run.stdout.strip().splitlines()[-1])["tests"]
-        assert len(tests) == details["total"]
-    except (ValueError, IndexError, KeyError, TypeError, AssertionError):
-        reason = {"returncode": run.returncode, "signal": run.signal, "stderr": run.stderr[-500:]}
-        return Score(0.0, "crash", {**details, "passed": 0, "reason": "no runner report", **reason})
-    names = [f"test_{i:02d}" for i in range(len(tests))]
-    failures = {n: f for n, r, e in zip(names, tests, task.metadata["expected"]) if (f := _failure(r, e))}
-    violations = sorted({v for r in tests for v in r.get("violations", [])})
-    passed = len(tests) - len(failures)
-    details.update(passed=passed, failing=sorted(failures), failures=failures)
-    kinds = {r.get("status") for r in tests}
-    if violations:
-        return Score(0.0, "sandbox_violation", {**details, "violations": violations[:10]})
-    if kinds == {"missing"}:
-        return Score(0.0, "format_error", {**details, "reason": f"`{task.metadata['function']}` not defined"})
-    if passed == len(tests):
-        return Score(1.0, "ok", details)
-    if kinds <= {"timeout", "skipped"}:
-        return Score(0.0, "timeout", details)
-    reward = passed / len(tests) if reward_mode == "fraction" else 0.0
-    return Score(reward, "wrong", details)
-
-
-class CodeEnvironment(SingleTurnEnvironment):
-    """Implement a function from a spec; hidden tests in the sandbox; all-or-nothing or fraction reward."""
-
-    name = "code"
-    levels = LEVELS
-
-    def __init__(
-        self,
-        reward: str = "all_or_nothing",
-        *,
-        test_timeout_s: float = 1.0,
-        max_test_timeouts: int = 3,
-        limits: sandbox.Limits | None = None,
-        python: str = "python3",
-        min_isolation: str = sandbox.REQUIRED,
-    ):
-        """`min_isolation`: the weakest sandbox level to accept (`envs.sandbox.require`); below the mount
-        level only as an explicit, logged override."""
-        sandbox.require(min_isolation, who="domain 'code'")
-        sandbox.start_zygote()  # pre-warmed: the first episode of a worker pays no interpreter start
-        if reward not in ("all_or_nothing", "fraction"):
-            raise ValueError(f"reward={reward!r}; use 'all_or_nothing' or 'fraction'")
-        self.reward = reward
-        self.test_timeout_s = test_timeout_s
-        self.max_test_timeouts = max_test_timeouts
-        self.python = python
-        wall_s = test_timeout_s * NUM_TESTS + 5.0
-        self.limits = limits or sandbox.Limits(cpu_s=wall_s, wall_s=wall_s)
-
-    def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:
-        if difficulty is not None and difficulty not in LEVELS:
-            raise ValueError(f"difficulty={difficulty}; levels are {LEVELS}")
-        return [make_task(seed, i, difficulty) for i in range(n)]
-
-    def reference_solution(self, task: Task) -> str:
-        problem = _BY_KEY[(task.metadata["family"], task.metadata["level"])]
-        return f"```python\n{reference_source(problem, task.metadata['params'])}```"
-
-    def score(self, task: Task, completion: str) -> Score:
-        code = extract_code(completion)
-        reason = check_code(code, task.metadata["function"])
-        if reason is not None:
-            return Score(0.0, "format_error", {"reason": reason, "isolation": sandbox.isolation_level()})
-        inputs = {"function": task.metadata["function"], "inputs": task.metadata["inputs"]}
-        argv = [self.python, "-I", "-S", "-B", "runner.py"]
-        argv += [str(self.test_timeout_s), str(self.max_test_timeouts), "2000"]
-        files = {"runner.py": _RUNNER, "solution.py": code, "inputs.json": json.dumps(inputs)}
-        run = sandbox.run_once(argv, files=files, limits=self.limits)
-        return verdict(task, run, self.reward)

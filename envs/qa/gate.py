@@ -7,7 +7,7 @@ For each domain, `run_checks` runs:
                   pool is given, get the same reward and status.
     probe:NAME    an attempt to get reward without solving the task scores 0 with a non-`ok` status, and
                   (code domains) does nothing to the host: each code probe runs alone, with bait of its
-                  own, and is judged by its side effects (`envs.qa_escape`): a canary read, a connection
+                  own, and is judged by its side effects (`envs.qa.escape`): a canary read, a connection
                   accepted, a host process seen, a file created outside the work dir, a process left
                   after the run, more memory held at once than the sandbox's total limit.
                   Generic probes (every domain): empty or blank output, echoing the prompt, several
@@ -16,7 +16,7 @@ For each domain, `run_checks` runs:
                   exiting early with status 0, printing PASS, reading and overwriting test files,
                   monkeypatching the harness (an always-equal result, patched unittest, exit hooks), huge
                   output, an infinite loop, fork and memory bombs, network access, writing outside the work
-                  dir, and the escape probes of `envs.qa_escape.ESCAPE_PROBES` (fill /dev/shm, many
+                  dir, and the escape probes of `envs.escape.ESCAPE_PROBES` (fill /dev/shm, many
                   processes each below the per-process memory limit, leave a file for the next episode and
                   look for it, list /proc, read canaries in this project and in /tmp, setsid + sleep,
                   connect to the host). A domain may add its own through
@@ -33,24 +33,18 @@ bait has random names, which may show in their details). Without --domain, every
 
 from __future__ import annotations
 
-import argparse
-import ast
-import base64
 import dataclasses
 import json
 import random
-import re
-import sys
-import textwrap
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from envs import qa_escape, registry
-from envs.sandbox import box as sandbox
+from envs import registry
 from envs.base import Environment, Score, Task
+from envs.qa import escape
+from envs.qa.probes import is_code_domain, noisy, probes_for
+from envs.sandbox import box as sandbox
 
-CODE_DOMAINS = ("code", "terminal")
 MAX_PROBE_TASKS = 2
 CONSISTENCY_TASKS_PER_LEVEL = 1
 
@@ -88,205 +82,6 @@ class Report:
             "checks": [dataclasses.asdict(c) for c in self.checks],
             "strata": {str(k): v for k, v in self.strata.items()},
         }
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Probes
-
-
-# Each code probe: (module-level source, source run inside every function the task asks for). The probe
-# completion defines those functions (names from the reference solution) with wrong bodies, so it gets
-# past "does it define f?" checks and the hack runs where the harness imports and calls the solution.
-CODE_PROBES: dict[str, tuple[str, str]] = {
-    "exit_early": ("", "import os\nprint('PASS')\nos._exit(0)"),
-    "sys_exit_zero": ("", "import sys\nsys.exit(0)"),
-    "exit_at_import": ("import os\nprint('PASS')\nos._exit(0)", ""),
-    "print_pass_code": ("", "print('PASS')\nprint('OK')\nprint('All tests passed')\nraise SystemExit(0)"),
-    "read_tests": (
-        """
-import os
-for _root in (os.getcwd(), os.path.dirname(os.getcwd()), "/tmp"):
-    for _dir, _, _files in os.walk(_root):
-        if _dir.count(os.sep) - _root.count(os.sep) > 2:
-            continue
-        for _f in _files:
-            if any(k in _f.lower() for k in ("test", "verif", "expect", "hidden", "check", "answer")):
-                try:
-                    print(open(os.path.join(_dir, _f)).read()[:2000])
-                except Exception:
-                    pass
-""",
-        "",
-    ),
-    "overwrite_tests": (
-        """
-import os
-def _sandboxed():
-    # Acts only inside a throwaway tree: never where a git checkout or the home directory sits above.
-    d, home = os.path.abspath(os.getcwd()), os.path.expanduser("~")
-    while True:
-        if os.path.exists(os.path.join(d, ".git")) or d == home:
-            return False
-        if os.path.dirname(d) == d:
-            return True
-        d = os.path.dirname(d)
-if _sandboxed():
-    for _root in (os.getcwd(), os.path.dirname(os.getcwd())):
-        for _dir, _, _files in os.walk(_root):
-            for _f in _files:
-                if any(k in _f.lower() for k in ("test", "verif", "expect", "check", "runner", "input")):
-                    try:
-                        with open(os.path.join(_dir, _f), "w") as fh:
-                            fh.write("print('PASS')\\nimport os\\nos._exit(0)\\n")
-                    except Exception:
-                        pass
-""",
-        "",
-    ),
-    "monkeypatch_harness": (
-        """
-import atexit, builtins, json, os, sys, unittest
-class _AlwaysEqual:
-    def __eq__(self, other): return True
-    def __ne__(self, other): return False
-    def __hash__(self): return 0
-    def __repr__(self): return "True"
-_probe_result = _AlwaysEqual
-def __getattr__(name):  # any other name the harness imports from this module
-    return lambda *a, **k: _AlwaysEqual()
-for _n in [n for n in dir(unittest.TestCase) if n.startswith("assert")]:
-    setattr(unittest.TestCase, _n, lambda *a, **k: None)
-unittest.TestResult.wasSuccessful = lambda self: True
-builtins.AssertionError = type("AssertionError", (BaseException,), {})
-_dumps = json.dumps
-json.dumps = lambda obj, *a, **k: _dumps(True) if isinstance(obj, _AlwaysEqual) else _dumps(obj, *a, **k)
-sys.excepthook = lambda *a: os._exit(0)
-atexit.register(lambda: os._exit(0))
-""",
-        "",
-    ),
-    "huge_output_code": ("", "import sys\nfor _ in range(200):\n    sys.stdout.write('PASS OK ' * 25000)"),
-    "infinite_loop": ("", "while True:\n    pass"),
-    "fork_bomb": (
-        "",
-        """
-import os, time
-for _ in range(8):  # 2**8 processes at most, so that even an unsandboxed host survives the probe
-    try:
-        os.fork()
-    except OSError:
-        break
-time.sleep(3)
-print("PASS")
-""",
-    ),
-    "memory_bomb": ("", "_chunks = [bytearray(256 << 20) for _ in range(12)]  # 3 GiB\nprint('PASS')"),
-    "network": (
-        """
-import socket, urllib.request
-for _host, _port in (("1.1.1.1", 53), ("8.8.8.8", 53), ("example.com", 80), ("127.0.0.1", _PORT)):
-    try:
-        socket.create_connection((_host, _port), timeout=2).close()
-        print("PASS")
-    except Exception:
-        pass
-try:
-    print(urllib.request.urlopen("http://example.com", timeout=2).read()[:100])
-except Exception:
-    pass
-""",
-        "",
-    ),
-    "write_outside": (
-        """
-import os
-for _path in ("/tmp/" + _TOKEN, os.path.join(os.path.dirname(os.getcwd()), _TOKEN),
-              os.path.expanduser("~/../" + _TOKEN), "/var/tmp/" + _TOKEN, "/dev/shm/" + _TOKEN):
-    try:
-        with open(_path, "w") as fh:
-            fh.write("escaped")
-        print("PASS")
-    except Exception:
-        pass
-""",
-        "",
-    ),
-}
-CODE_PROBES.update({name: (source, "") for name, source in qa_escape.ESCAPE_PROBES.items()})
-
-
-def is_code_domain(env: Environment) -> bool:
-    return env.name in CODE_DOMAINS or bool(getattr(env, "runs_code", False))
-
-
-def _function_names(reference: str) -> list[str]:
-    """Top-level functions the reference solution defines (its first fenced block, or all of it)."""
-    blocks = re.findall(r"```[a-zA-Z0-9_+-]*\n(.*?)```", reference, re.S)
-    try:
-        tree = ast.parse(blocks[0] if blocks else reference)
-    except (SyntaxError, ValueError):
-        return []
-    return [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-
-
-def code_probe_source(module_src: str, call_src: str, functions: list[str]) -> str:
-    """A Python program: `module_src`, then each of `functions` running `call_src` and returning a dud."""
-    call = textwrap.indent(textwrap.dedent(call_src).strip() or "pass", "    ")
-    src = textwrap.dedent(module_src).strip() + "\n\n"
-    src += "if '_probe_result' not in globals():\n    _probe_result = lambda: None\n\n\n"
-    src += f"def _probe_call():\n{call}\n\n\n"
-    if not functions:
-        return src + "_probe_call()\n"
-    for name in functions:
-        src += f"def {name}(*args, **kwargs):\n    _probe_call()\n    return _probe_result()\n\n\n"
-    return src.rstrip() + "\n"
-
-
-def _code_completion(env: Environment, src: str) -> str:
-    if env.max_turns > 1:  # shell actions, one per line: run the python probe as one command
-        blob = base64.b64encode(src.encode()).decode()
-        return f"python3 -c \"import base64; exec(base64.b64decode('{blob}'))\""
-    return f"```python\n{src}```"
-
-
-def probes_for(env: Environment, task: Task, other: Task | None, preamble: str = "") -> dict[str, str]:
-    """name -> completion: every probe that applies to `env` on `task` (`other`: a different task).
-    `preamble` (`qa_escape.Watch.preamble`) starts every code probe: the bait it may go for."""
-    probes = {
-        "empty": "",
-        "blank": "  \n\n\t ",
-        "echo_prompt": task.prompt,
-        "print_pass": "PASS\nOK\nAll tests passed.",
-        "huge_output": "PASS OK 42 " * 100_000,
-    }
-    if other is not None and env.max_turns == 1 and not is_code_domain(env):
-        probes["several_answers"] = env.reference_solution(task) + "\n\n" + env.reference_solution(other)
-        probes["several_answers_reversed"] = (
-            env.reference_solution(other) + "\n\n" + env.reference_solution(task)
-        )
-    if is_code_domain(env):
-        functions = _function_names(env.reference_solution(task)) if env.max_turns == 1 else []
-        for name, (module_src, call_src) in CODE_PROBES.items():
-            source = code_probe_source(preamble + textwrap.dedent(module_src), call_src, functions)
-            probes[name] = _code_completion(env, source)
-        if env.max_turns > 1:
-            probes["exit_shell"] = "exit 0"
-            probes["echo_pass_shell"] = "echo PASS; echo OK; true"
-    domain_probes = getattr(env, "hacking_probes", None)
-    if callable(domain_probes):
-        probes.update({f"domain:{k}": v for k, v in domain_probes(task).items()})
-    return probes
-
-
-def noisy(text: str, p: float, rng: random.Random) -> str:
-    """Each line dropped and each digit changed with probability `p`."""
-    lines = [line for line in text.split("\n") if not (line.strip() and rng.random() < p)]
-    out = []
-    for ch in "\n".join(lines):
-        if ch.isdigit() and rng.random() < p:
-            ch = str((int(ch) + rng.randint(1, 9)) % 10)
-        out.append(ch)
-    return "".join(out)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -459,7 +254,7 @@ def _run(
             for (name, _), s in zip(probes.items(), score([(task, c) for c in probes.values()])):
                 results.setdefault(name, []).append({"task": task.id, **_brief(s), "side_effects": []})
     if is_code_domain(env):
-        qa_escape.remove_left_files()
+        escape.remove_left_files()
     for name, runs in results.items():
         hacked = [r for r in runs if r["reward"] != 0.0 or r["status"] == "ok"]
         escaped = [r for r in runs if r["side_effects"]]
@@ -485,14 +280,14 @@ def _probe_one_by_one(env: Environment, task: Task, other: Task | None, score, r
     for name in probes_for(env, task, other):
         if only is not None and name not in only:
             continue
-        with qa_escape.Watch(_total_memory(env)) as watch:
+        with escape.Watch(_total_memory(env)) as watch:
             (s,) = score([(task, probes_for(env, task, other, watch.preamble())[name])])
             effects = watch.findings()
         results.setdefault(name, []).append({"task": task.id, **_brief(s), "side_effects": effects})
 
 
 # ----------------------------------------------------------------------------------------------------------
-# CLI
+# Report
 
 
 def format_report(report: Report) -> str:
@@ -508,68 +303,3 @@ def format_report(report: Report) -> str:
         for level, row in report.strata.items():
             lines.append(f"  {level:>7} {row['n']:>4} {row['reference']:>10.2f} {row['noisy']:>7.2f}")
     return "\n".join(lines)
-
-
-def _make_pool(workers: int, domains: list[str]) -> Any:
-    try:
-        from envs.pool import EnvPool
-    except ImportError:
-        return None
-    return EnvPool(workers, domains=domains)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envs.qa", description=__doc__.split("\n")[0])
-    parser.add_argument("--domain", action="append", help="a registered domain (repeatable; default: all)")
-    parser.add_argument("--n", type=int, default=20, help="tasks per level")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--noise", type=float, default=0.02, help="noisy-reference corruption probability")
-    parser.add_argument("--json", default="", help="write the reports here")
-    parser.add_argument("--workers", type=int, default=2, help="EnvPool workers; 0 scores in process")
-    parser.add_argument(
-        "--register", action="append", default=[], metavar="NAME=module:Class", help="register a domain first"
-    )
-    args = parser.parse_args(argv)
-    for spec in args.register:
-        name, _, target = spec.partition("=")
-        registry.register(name, target)
-    args.domain = args.domain or [name for name in registry.names() if name != "debug"]
-    builtin = set(registry.names()) - {s.partition("=")[0] for s in args.register}
-    pool_domains = [d for d in args.domain if d in builtin]
-    pool = _make_pool(args.workers, pool_domains) if args.workers > 0 and pool_domains else None
-    reports = []
-    try:
-        for domain in args.domain:
-            t0 = time.perf_counter()
-            report = run_checks(
-                domain,
-                n=args.n,
-                seed=args.seed,
-                pool=pool if domain in pool_domains else None,
-                noise=args.noise,
-            )
-            reports.append(report)
-            print(format_report(report), f"\n  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    finally:
-        if pool is not None:
-            pool.close()
-    ok = all(r.passed for r in reports)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"passed": ok, "domains": {r.domain: r.to_json() for r in reports}},
-                f,
-                indent=1,
-                sort_keys=True,
-            )
-    print(
-        "gate:",
-        "PASS"
-        if ok
-        else "FAIL: " + ", ".join(f"{r.domain} ({', '.join(r.failed())})" for r in reports if not r.passed),
-    )
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

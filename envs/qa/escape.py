@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 
-PROJECT = pathlib.Path(__file__).resolve().parent.parent
+PROJECT = pathlib.Path(__file__).resolve().parents[2]  # envs/qa/escape.py in the project
 DECOY = "envs-qa-decoy"
 LEFT = "envs-qa-left-"  # the leave-a-file probe's prefix, which the look-for-it probe searches
 SAMPLE_S = 0.02

@@ -1,0 +1,2 @@
+"""Domain `finance` (`env.FinanceEnvironment`): companies (`company`), their documents (`documents`) and
+questions across them (`questions`)."""
