@@ -49,7 +49,7 @@ def _emit(record: dict) -> None:
 
 def sandbox_start(n: int, pause_ms: float = 0.0) -> dict:
     try:
-        from envs import sandbox
+        from envs.sandbox import box as sandbox
     except ImportError as e:
         return {"bench": "sandbox_start", "skipped": f"envs.sandbox: {e}"}
     figures = sandbox.start_latency(n, pause_s=pause_ms / 1e3)
@@ -139,7 +139,7 @@ def _load_completions(env, task) -> dict[str, str]:
             "looping": "while true; do :; done\nsubmit",
             "crashing": "python3 -c 'import os; os.abort()'\nkill -SEGV $$\nsubmit",
         }
-    from envs import qa
+    from envs.qa import probes as qa
 
     functions = qa._function_names(env.reference_solution(task))
     fenced = lambda src: f"```python\n{src}```"  # noqa: E731

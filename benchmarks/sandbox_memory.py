@@ -2,12 +2,12 @@
     [--watch_slice_ns=100000]
 
 How far past its total memory a sandboxed run gets before the sandbox stops it, on a busy machine: the
-quality gate's `many_procs_memory` escape probe (`envs.qa_escape`: 12 processes that together fault in
+quality gate's `many_procs_memory` escape probe (`envs.qa.escape`: 12 processes that together fault in
 twice the total, each under its own limit) run `--runs` times in one sandbox with the default `Limits`
 (2 GiB total), while `--load` processes keep the cores busy the way the test suite does (each compiles and
 runs small XLA programs in a loop). Where the total is the watchdog's (`Isolation.resources == "watchdog"`:
 no cgroup v2 delegated), the overshoot is how long the watchdog waits for a core, times how fast the run
-faults memory in (`envs.sandbox_child._raise_priority`). The run's processes are sampled from here every
+faults memory in (`envs.sandbox.watchdog.raise_priority`). The run's processes are sampled from here every
 2 ms (anonymous + shared resident memory, as the probe's own sampler counts it), so a peak is a lower bound.
 
 One JSON line per run ({"run", "over_mib": peak - total, "killed": memory_exceeded, "s"}), then a summary
@@ -28,7 +28,8 @@ import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from envs import qa_escape, sandbox  # noqa: E402
+from envs.qa import escape as qa_escape  # noqa: E402
+from envs.sandbox import box as sandbox  # noqa: E402
 
 
 def _load(stop, seed: int) -> None:

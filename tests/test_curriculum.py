@@ -477,7 +477,7 @@ def test_admit_domains_refuses_failing_domains_and_says_why():
 
 
 def test_admit_domains_with_the_real_gate():
-    from envs import qa
+    from envs.qa import gate as qa
 
     gate = lambda d: qa.run_checks(d, n=2, seed=0, probe_tasks=1)  # about 0.3 s for math on 2 cores
     assert admit_domains(["math"], gate=gate) == ["math"]

@@ -115,7 +115,7 @@ def test_checker_flags_a_planted_line(path, line):
         ("benchmarks/grpo_step.py", "--tunix_python=TUNIX_VENV/bin/python --peer_script=PEERS/x.py"),
         ("benchmarks/results/grpo_step.jsonl", '{"command": "--tunix_python=<tunix-venv>/bin/python"}'),
         ("benchmarks/results/learning.jsonl", '{"out": "<outside>/sum.jsonl"}'),
-        ("envs/qa.py", "for _path in (" + TMP + '" + _TOKEN, "/var/tmp/" + _TOKEN):'),
+        ("envs/qa/probes.py", "for _path in (" + TMP + '" + _TOKEN, "/var/tmp/" + _TOKEN):'),
         ("tests/test_sandbox.py", f'sb.write("{DOTS}/escaped", "x")'),
         (
             "benchmarks/sandbox_memory.py",

@@ -10,7 +10,7 @@ import model
 from configs import tiny
 from envs import Task, registry
 from envs.pool import EnvPool
-from envs.domains import terminal_env
+from envs.domains.terminal import tasks as terminal_tasks
 from inference import Completion, Engine, EngineConfig, SamplingParams
 from model.io.tokenizer import ByteTokenizer
 from rl import grpo
@@ -42,7 +42,7 @@ def engine(pool):
 def _terminal_task(index: int, prompt: str = "Solve the shell task.") -> Task:
     """A level-0 terminal task with a short prompt (the real one is longer than the test engine's window);
     the environment reads only the metadata."""
-    return dataclasses.replace(terminal_env.make_task(0, index, level=0), prompt=prompt)
+    return dataclasses.replace(terminal_tasks.make_task(0, index, level=0), prompt=prompt)
 
 
 def _check_aligned(s: ro.Sample) -> None:
