@@ -1,4 +1,4 @@
-"""python benchmarks/attention_memory.py
+"""python -m benchmarks attention_memory
 
 Attention memory from XLA's compiled buffer assignment (`compiled.memory_analysis()`), nothing run:
 the temp bytes of jit(value_and_grad) of one attention call, B=1, N=8 query heads, K=4 kv heads, H=64,
@@ -12,7 +12,7 @@ causal, f32. One JSON line per measurement, then one summary line with the growt
               next-token loss at T = 128k, B = 1: temp + argument bytes. Target: <= 8 GiB.
               `--run_model` also runs it once and reports the process's peak RSS (minutes on 2 cores).
 
-    python benchmarks/attention_memory.py --lengths=4096,16384 --ring_len=16384 --skip_model
+    python -m benchmarks attention_memory --lengths=4096,16384 --ring_len=16384 --skip_model
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
 
@@ -31,6 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from benchmarks.record import emit  # noqa: E402
 
 GIB = 2**30
 B, N, K, H = 1, 8, 4, 64
@@ -161,13 +162,13 @@ def main() -> None:
                 continue
             row = impl_memory(name, t)
             temp.setdefault(name, {})[t] = row["temp_bytes"]
-            print(json.dumps(row), flush=True)
+            emit(row)
 
     ring = {}
     for d in (int(x) for x in a.ring_devices.split(",")):
         row = ring_memory(d, a.ring_len)
         ring[d] = row["per_device_bytes"]
-        print(json.dumps(row), flush=True)
+        emit(row)
 
     summary: dict = {"kind": "summary", "growth_per_4x_length": {}}
     for name, by_t in temp.items():
@@ -182,9 +183,9 @@ def main() -> None:
         summary["ring_per_device_vs_1"] = {d: round(v / base, 3) for d, v in sorted(ring.items())}
     if not a.skip_model:
         row = model_memory(a.model_len, a.run_model)
-        print(json.dumps(row), flush=True)
+        emit(row)
         summary["model_128k_fits_8gib"] = row["fits"]
-    print(json.dumps(summary), flush=True)
+    emit(summary)
 
 
 if __name__ == "__main__":

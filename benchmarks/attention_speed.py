@@ -1,21 +1,21 @@
-"""python benchmarks/attention_speed.py
+"""python -m benchmarks attention_speed
 
 Jitted forward+backward time of the model's attention impls on the default device, causal, f32,
 B * T = 4096 tokens, 8 query / 4 kv heads, H = 64 (the small config's geometry). One JSON line per
 length with the best of --repeats milliseconds per impl and each impl's speed-up over `reference`.
 
-    python benchmarks/attention_speed.py --lengths=512,2048 --impls=reference,chunked
+    python -m benchmarks attention_speed --lengths=512,2048 --impls=reference,chunked
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.record import emit
 from model import attention
 
 
@@ -54,7 +54,7 @@ def main() -> None:
             row["speedup_vs_reference"] = {
                 name: round(row["ms"]["reference"] / ms, 2) for name, ms in row["ms"].items()
             }
-        print(json.dumps(row), flush=True)
+        emit(row)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""python benchmarks/curriculum.py --workdir=runs/demo-... [--out=benchmarks/results/curriculum.jsonl]
-python benchmarks/curriculum.py --derive
+"""python -m benchmarks curriculum --workdir=runs/demo-... [--out=benchmarks/results/curriculum.jsonl]
+python -m benchmarks curriculum --derive
 
 --workdir   How the curriculum's weights moved in a run, from its metrics.jsonl and config.json (issue 19's
             figures): per domain the mean and standard deviation of `weight/<domain>`, the mean and largest
@@ -21,14 +21,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
-from record import portable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from benchmarks.record import emit, portable
 from rl import metrics  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------
@@ -165,10 +162,7 @@ def main(argv=None) -> None:
             "floor": floor,
             "weights": weight_figures(metrics.read_metrics(args.workdir), floor),
         }
-        print(json.dumps(row))
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, out=args.out)
     if not (args.derive or args.workdir):
         ap.error("give --workdir and/or --derive")
 

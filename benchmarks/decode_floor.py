@@ -1,4 +1,4 @@
-"""python benchmarks/decode_floor.py [--tunix_python=TUNIX_VENV/bin/python --tunix_script=PATH]
+"""python -m benchmarks decode_floor [--tunix_python=TUNIX_VENV/bin/python --tunix_script=PATH]
 
 The matmul floor of one decode step on the peer anchor shapes (`decode.PEER_DIMS`, `PEER_MOE`: 4 layers,
 d_model 256, 4 query / 2 kv heads of 64, vocab 8192; dense d_ff 1024 or 8 experts of d_ff 256, every expert
@@ -26,7 +26,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from decode import PEER_DIMS, PEER_MOE, check_peers, emit, run_peer
+
+from benchmarks.common import PEER_DIMS, PEER_MOE, check_peers, run_peer
+from benchmarks.record import emit
 
 BATCH = 16
 

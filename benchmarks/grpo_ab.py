@@ -1,10 +1,10 @@
-"""python benchmarks/grpo_ab.py [--sections=window,warmup] [--calls=8] [--pairs=2]
+"""python -m benchmarks grpo_ab [--sections=window,warmup] [--calls=8] [--pairs=2]
 
 A/B checks behind two of the GRPO step's changes, on `grpo_step.py`'s anchor shapes (dense, 16 rows of 32 +
 64 tokens), one JSON line per section:
 
 - `window`: the update (`rl.train_step.make_grpo_update`: reference log-probs, then the train step) built
-  twice in one process, with the logit window (`train_step.logit_window`, 64 of 96 positions) and without
+  twice in one process, with the logit window (`losses.logit_window`, 64 of 96 positions) and without
   (every position's logits), called alternately on one random batch (mask on the 64 completion positions);
   median seconds over the calls after the first, and the largest difference of any scalar metric.
 - `warmup`: the main job's warm-up (`rl.train._warm_up`: the engine's warmup in a thread beside the
@@ -28,10 +28,13 @@ from unittest import mock
 
 import jax
 import numpy as np
-from grpo_step import grpo_cfg
 
+from benchmarks import record
+from benchmarks.grpo_step import grpo_cfg
+from benchmarks.record import emit
 from inference import Engine
-from rl import distributed, rollout, sampler, train_step, validate
+from rl import batch as batch_lib
+from rl import distributed, losses, sampler, train_state, train_step, validate
 from rl.train import _warm_up
 
 ARCH = "qwen3"
@@ -40,21 +43,21 @@ ARCH = "qwen3"
 def _setup():
     cfg = grpo_cfg(ARCH)
     mesh = distributed.trainer_mesh(cfg)
-    model_def, state = train_step.init_state(cfg, mesh=mesh, seed=0)
-    return cfg, mesh, model_def, state, train_step.reference_weights(state, cfg.rl.reference_dtype)
+    model_def, state = train_state.init_state(cfg, mesh=mesh, seed=0)
+    return cfg, mesh, model_def, state, train_state.reference_weights(state, cfg.rl.reference_dtype)
 
 
 def _random_batch(cfg, mesh):
     """A rollout-shaped batch of random ids, trained on the completion positions."""
-    local = rollout.empty_batch(cfg.batch_size, cfg.seq_len)
+    local = batch_lib.empty_batch(cfg.batch_size, cfg.seq_len)
     rng = np.random.default_rng(0)
     prompt = cfg.rl.max_prompt_len
     local["tokens_BT"][:] = rng.integers(3, cfg.model.vocab_size, local["tokens_BT"].shape)
     local["mask_BT"][:, prompt:] = 1
     local["advantages_B"][:] = rng.normal(size=cfg.batch_size)
     local["behaviour_logp_BT"][:, prompt:] = -9.0
-    shardings = train_step.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
-    return distributed.global_batch(local, shardings, train_step.ROW_AXIS)
+    shardings = train_state.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
+    return distributed.global_batch(local, shardings, train_state.ROW_AXIS)
 
 
 class _InlineThread:
@@ -74,7 +77,7 @@ class _InlineThread:
 def section_window(calls: int) -> dict:
     cfg, mesh, model_def, state, ref = _setup()
     batch = _random_batch(cfg, mesh)
-    updates, real = {}, train_step.logit_window
+    updates, real = {}, losses.logit_window
     for name in ("every_position", "window"):
         window = real if name == "window" else (lambda cfg, length: 0)
         with mock.patch.object(train_step, "logit_window", window):
@@ -96,7 +99,7 @@ def section_window(calls: int) -> dict:
     return {
         "bench": "grpo_ab_window",
         "arch": ARCH,
-        "window": train_step.logit_window(cfg, cfg.seq_len),
+        "window": losses.logit_window(cfg, cfg.seq_len),
         "seq_len": cfg.seq_len,
         "update_s_median": median,
         "update_s_all": {name: [round(x, 4) for x in s] for name, s in seconds.items()},
@@ -111,7 +114,7 @@ def child(kind: str) -> None:
     cfg, mesh, model_def, state, ref = _setup()
     engine = Engine(
         cfg,
-        train_step.weights(state),
+        train_state.weights(state),
         validate.engine_config(cfg),
         mesh=sampler.layout(cfg, mesh).mesh,
     )
@@ -128,7 +131,11 @@ def section_warmup(pairs: int) -> dict:
     for _ in range(pairs):
         for kind in runs:
             out = subprocess.run(
-                [sys.executable, __file__, f"--child={kind}"], check=True, capture_output=True, text=True
+                [sys.executable, "-m", "benchmarks", "grpo_ab", f"--child={kind}"],
+                cwd=record.ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
             ).stdout
             runs[kind].append(json.loads(out.strip().splitlines()[-1]))
     wall = {k: [round(r["wall_s"], 2) for r in v] for k, v in runs.items()}
@@ -154,7 +161,7 @@ def main() -> None:
         load = [round(x, 2) for x in os.getloadavg()]
         line = section_window(a.calls) if name == "window" else section_warmup(a.pairs)
         line.update(loadavg_start=load, loadavg_end=[round(x, 2) for x in os.getloadavg()])
-        print(json.dumps(line), flush=True)
+        emit(line)
 
 
 if __name__ == "__main__":

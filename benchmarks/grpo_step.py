@@ -1,4 +1,4 @@
-"""python benchmarks/grpo_step.py
+"""python -m benchmarks grpo_step
 
 Seconds per GRPO step of the main job (`python -m rl.train`) on the Tunix peer's shapes, beside Tunix's
 own step (`--tunix_python`: a venv with google-tunix, running `--peer_script`: the peer's
@@ -14,7 +14,7 @@ from the completion's text (ids joined by spaces), as the peer scores it.
 
 One step is what the main job's loop does per step, built from its own functions: `rl.rollout.collect`
 (`inference.Engine.generate` with `rollout.sampling_params`, then the reward through the pool's
-`score_many`), `rl.rollout.make_batch` (group advantages, padding to the fixed [rows, seq_len]),
+`score_many`), `rl.batch.make_batch` (group advantages, padding to the fixed [rows, seq_len]),
 `rl.distributed.global_batch`, the update of `rl.train_step.make_grpo_update` (reference log-probs of the
 frozen copy, then the jitted train step) and the main job's weight sync (`rl.train._weight_sync`:
 `WeightSync.push` -> `Engine.update_params`), on the main job's engine config (`validate.engine_config`)
@@ -34,8 +34,8 @@ same dims and steps, run right after ours so both see the same machine load) and
 line (ratios tunix / ours and every difference between the two measurements we know of); finally a
 `grpo_step_summary` line with the targets (step ratio >= 2, first step <= Tunix's) and whether they are met.
 
-    python benchmarks/grpo_step.py --quick
-    python benchmarks/grpo_step.py --steps=5 --tunix_python=TUNIX_VENV/bin/python \
+    python -m benchmarks grpo_step --quick
+    python -m benchmarks grpo_step --steps=5 --tunix_python=TUNIX_VENV/bin/python \
         --peer_script=PEERS/tunix_grpo_step_bench.py
 """
 
@@ -47,7 +47,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from unittest import mock
@@ -55,18 +54,16 @@ from unittest import mock
 import jax
 import numpy as np
 
-# The repo root first: benchmarks/rl.py and benchmarks/envs.py would shadow the `rl` and `envs` packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import matmul_peak  # noqa: E402
-from decode import PEER_DIMS, PEER_MOE, check_peers, emit, model_config  # noqa: E402
-
+from benchmarks import matmul_peak
+from benchmarks.common import PEER_DIMS, PEER_MOE, check_peers, model_config
+from benchmarks.record import emit
 from configs import grpo as grpo_config  # noqa: E402
 from configs import schema  # noqa: E402
 from envs import Score, Task  # noqa: E402
 from inference import Engine  # noqa: E402
 from model import plan  # noqa: E402
-from rl import distributed, rollout, sampler, train_step, validate  # noqa: E402
+from rl import batch as batch_lib  # noqa: E402
+from rl import distributed, losses, rollout, sampler, train_state, train_step, validate  # noqa: E402
 from rl.train import _warm_up, _weight_sync  # noqa: E402  (the main job's own helpers)
 
 SHAPES = dict(prompts=4, group=4, prompt_len=32, new_tokens=64, beta=0.04, lr=1e-4)
@@ -118,7 +115,7 @@ def grpo_cfg(arch: str):
 
 class IdTokenizer:
     """Ids as space-separated text, bos 1 and no stop id (the peer's IntTokenizer, whose eos is never
-    sampled): what rollout needs of a `model.tokenizer.Tokenizer` for random-id prompts."""
+    sampled): what rollout needs of a `model.io.tokenizer.Tokenizer` for random-id prompts."""
 
     bos_id, eos_id, pad_id, stop_ids = 1, None, 0, ()
 
@@ -199,12 +196,12 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
     rl = cfg.rl
     load_start, compiles_start = loadavg(), dict(_COMPILES)
     mesh = distributed.trainer_mesh(cfg)
-    model_def, state = train_step.init_state(cfg, mesh=mesh, seed=rl.seed)
-    ref_params = train_step.reference_weights(state, rl.reference_dtype)
+    model_def, state = train_state.init_state(cfg, mesh=mesh, seed=rl.seed)
+    ref_params = train_state.reference_weights(state, rl.reference_dtype)
     params_before = jax.tree.map(np.asarray, state.params)
     engine = Engine(
         cfg,
-        train_step.weights(state),
+        train_state.weights(state),
         validate.engine_config(cfg),
         mesh=sampler.layout(cfg, mesh).mesh,
     )
@@ -248,26 +245,26 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
                 **rollout.collect_options(rl),
             )
         with phases.phase("advantages_batch"):
-            batch, stats = rollout.make_batch(
+            batch, stats = batch_lib.make_batch(
                 samples,
                 adv_std=rl.advantage_std,
                 length_bucket=cfg.seq_len,
                 max_len=cfg.seq_len,
                 rows=cfg.batch_size,
-                window=train_step.logit_window(cfg, cfg.seq_len),
+                window=losses.logit_window(cfg, cfg.seq_len),
             )
         tracing = trace_dir and i == steps  # the last step, under jax.profiler
         if tracing:
             jax.profiler.start_trace(os.path.join(os.path.abspath(trace_dir), arch))
         with phases.phase("update"):  # reference log-probs inside; the rest is the train step
-            shardings = train_step.batch_shardings(cfg, tuple(batch), mesh, cfg.batch_size)
-            batch = distributed.global_batch(batch, shardings, train_step.ROW_AXIS)
+            shardings = train_state.batch_shardings(cfg, tuple(batch), mesh, cfg.batch_size)
+            batch = distributed.global_batch(batch, shardings, train_state.ROW_AXIS)
             state, metrics = update(state, batch, ref_params=ref_params)
             jax.block_until_ready(state.params)
         if tracing:
             jax.profiler.stop_trace()
         with phases.phase("weight_sync"):
-            push_weights(train_step.weights(state))
+            push_weights(train_state.weights(state))
             jax.block_until_ready(engine.params)
         step_s.append(time.perf_counter() - t0)
         records.append(dict(stats, **counts, **{f"train/{k}": v for k, v in metrics.items()}))
@@ -295,7 +292,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
     # (2 * d_model * vocab FLOPs a position forward, 3x that trained), against the f32 matmul peak measured
     # in this process.
     tokens = rows * cfg.seq_len
-    window = train_step.logit_window(cfg, cfg.seq_len)
+    window = losses.logit_window(cfg, cfg.seq_len)
     skipped = 2 * cfg.model.d_model * cfg.model.vocab_size * rows * (cfg.seq_len - window) if window else 0
     flops = {
         "train": plan.flops_per_token(cfg, cfg.seq_len, training=True) * tokens - 3 * skipped,
@@ -337,7 +334,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
                 "decode_steps",
             )
         },
-        "logit_window": train_step.logit_window(cfg, cfg.seq_len),
+        "logit_window": losses.logit_window(cfg, cfg.seq_len),
         "warmup_s": round(warmup_s, 3),  # the engine's warmup beside the update's compile (rl.train._warm_up)
         "warmup_compiles": warm_compiles,
         "jit_compiles_in_first_step": compiles_after_first - compiles_before_first if steps else None,
@@ -429,7 +426,7 @@ def differences(ours: dict, tunix: dict) -> list[str]:
         "reference log-probs: ours one jitted forward of a frozen f32 copy of the step-0 params; Tunix a "
         "second model built with the same seed",
         f"logits: ours (train and reference forwards) at {ours['logit_window']} positions per row from the "
-        "one before its first completion token (rl.train_step.logit_window: single-turn rows train on at "
+        "one before its first completion token (rl.losses.logit_window: single-turn rows train on at "
         "most rl.max_new_tokens tokens); Tunix at every position, then the last 64 sliced",
         "loss: both GRPO with clip 0.2 both sides, sequence-mean-token-mean aggregation and the k1 KL "
         "(beta 0.04) as Tunix GRPOConfig's defaults; ours adds TIS weights from the behaviour log-probs "

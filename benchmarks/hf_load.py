@@ -1,6 +1,6 @@
-"""python benchmarks/hf_load.py
+"""python -m benchmarks hf_load
 
-Loading a Hugging Face checkpoint: wall time and peak host memory (RSS) of `model.hf.load` for a random
+Loading a Hugging Face checkpoint: wall time and peak host memory (RSS) of `model.io.hf.load` for a random
 ~1B-parameter Qwen3-style dense checkpoint in bf16 (written here with safetensors' numpy API, in 1 GiB
 shards), each measured in a fresh process. Beside it, the same checkpoint loaded by
 `transformers.AutoModelForCausalLM.from_pretrained` (torch, CPU) when transformers is installed. One
@@ -9,8 +9,8 @@ JSON line per loader, then a summary; target: our peak RSS <= 1.3x the checkpoin
 RSS figures: `peak` is the process's maximum RSS; `before` is the RSS after imports, before loading;
 `net = peak - before` is what loading added.
 
-    python benchmarks/hf_load.py --layers=4          # a smaller (~330M) checkpoint
-    python benchmarks/hf_load.py --dir=/tmp/ckpt     # reuse a checkpoint written before
+    python -m benchmarks hf_load --layers=4          # a smaller (~330M) checkpoint
+    python -m benchmarks hf_load --dir=/tmp/ckpt     # reuse a checkpoint written before
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+
+from benchmarks.record import emit
 
 GIB = 2**30
 
@@ -103,7 +105,7 @@ def rss():
 loader, path = sys.argv[1], sys.argv[2]
 if loader == "ours":
     import jax
-    from model import hf
+    from model.io import hf
     jax.numpy.zeros(1).block_until_ready()
 else:
     import torch, transformers
@@ -136,7 +138,7 @@ def measure(loader: str, path: pathlib.Path, ckpt_bytes: int) -> dict:
     r = json.loads(out.stdout.strip().splitlines()[-1])
     return {
         "bench": "hf_load",
-        "loader": "model.hf.load" if loader == "ours" else "transformers.from_pretrained",
+        "loader": "model.io.hf.load" if loader == "ours" else "transformers.from_pretrained",
         "checkpoint_gib": round(ckpt_bytes / GIB, 3),
         "params_m": round(r["params"] / 1e6, 1),
         "load_s": round(r["seconds"], 2),
@@ -160,13 +162,13 @@ def main() -> None:
             write_checkpoint(path, a.layers)
         ckpt_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         rows = [measure("ours", path, ckpt_bytes)]
-        print(json.dumps(rows[-1]), flush=True)
+        emit(rows[-1])
         if not a.skip_transformers:
             try:
                 import transformers  # noqa: F401
 
                 rows.append(measure("transformers", path, ckpt_bytes))
-                print(json.dumps(rows[-1]), flush=True)
+                emit(rows[-1])
             except ImportError:
                 pass
     ours = rows[0]
@@ -178,7 +180,7 @@ def main() -> None:
     }
     if len(rows) > 1 and "load_s" in rows[1] and "load_s" in ours:
         summary["load_time_ratio_ours_vs_transformers"] = round(ours["load_s"] / rows[1]["load_s"], 3)
-    print(json.dumps(summary), flush=True)
+    emit(summary)
 
 
 if __name__ == "__main__":

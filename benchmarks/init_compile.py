@@ -1,4 +1,4 @@
-"""python benchmarks/init_compile.py [--configs=test,demo] [--repeats=3]
+"""python -m benchmarks init_compile [--configs=test,demo] [--repeats=3]
 
 Compile time of the main job's parameter init (`model.transformer._sharded_init`: one jitted program that
 makes every parameter with its sharding) on this host's devices, as the product compiles it ("auto": at
@@ -13,16 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from decode import emit  # noqa: E402
-
+from benchmarks.record import emit
 from configs import grpo  # noqa: E402
 from model import seeds, sharding, transformer  # noqa: E402
 

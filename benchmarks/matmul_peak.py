@@ -1,4 +1,4 @@
-"""python benchmarks/matmul_peak.py
+"""python -m benchmarks matmul_peak
 
 The yardstick for MFU: the best f32 GFLOP/s of one jitted square matmul on the default JAX device.
 `benchmarks/train_step.py` calls `measure` in its own process, so the peak and the step times come from

@@ -1,4 +1,4 @@
-"""python benchmarks/memory_layouts.py [--out benchmarks/results/memory_layouts.jsonl]
+"""python -m benchmarks memory_layouts [--out benchmarks/results/memory_layouts.jsonl]
 
 Per-device live bytes of the main job, measured and planned, per sampler layout: `python -m rl.train
 --config=configs/grpo.py:test --eval=false --config.rl.steps=2 --config.rl.sft.steps=2` on a trainer mesh of
@@ -18,7 +18,7 @@ each layout in `LAYOUTS` (`rl.engine.mesh.{processes,expert,tensor}`, `rl.sample
 
 Per run, one JSON line: the layout, processes x devices, the trainer mesh, the sampler layout (the dict given
 to the planner and the main job's own "sampler: ..." line), the main job's `memory/*` at its last logged step
-(`rl/memory.py`: each the largest over every device of every process), `model.plan_memory.device_bytes` for
+(`rl/memory.py`: each the largest over every device of every process), `rl.plan.memory.device_bytes` for
 the same trainer mesh, one engine's {data, expert, tensor} and `colocated` as the run, measured / planned of
 the total, the model's full f32 parameter bytes, the command line and the load average before and after.
 A run that fails gives a line with its exit status and the end of its log instead of figures. Each run's
@@ -28,21 +28,17 @@ changes no byte counted.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# The repo root first: benchmarks/rl.py would shadow the `rl` package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import argparse
 import json
 import math
+import os
 import pathlib
+import sys
 import tempfile
 import time
 
-import hosts  # noqa: E402  (benchmarks/hosts.py)
-
+from benchmarks import hosts
+from benchmarks.record import emit
 from configs import grpo, schema
 from configs.schema import ConfigError
 
@@ -95,14 +91,14 @@ def config(flags: dict):
 def trainer_mesh(cfg, processes: int, devices: int) -> dict[str, int]:
     """The trainer's resolved mesh sizes over its devices; ConfigError when the config refuses it."""
     from model import config as model_config
-    from model import plan_memory
-    from rl import train_step, validate
+    from rl import train_state, validate
+    from rl.plan import memory as plan_memory
 
     n = processes * (devices - int(cfg.rl.sampler_devices))
     sizes = model_config.validate(cfg, n)
     if processes > 1:
         mesh = plan_memory.abstract_mesh(sizes)
-        validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
+        validate.check_mesh(cfg, processes, batch_shards=train_state.batch_shard_count(cfg, mesh))
     return sizes
 
 
@@ -149,7 +145,7 @@ def train(argv: list[str], processes: int, devices: int, logs: pathlib.Path, tim
 
 
 def run(name: str, processes: int, devices: int, tmp: str, timeout: float) -> dict:
-    from model import plan_memory
+    from rl.plan import memory as plan_memory
 
     plan = plan_layout(name, processes, devices)
     cfg, sizes = plan["cfg"], plan["trainer_mesh"]
@@ -177,10 +173,10 @@ def run(name: str, processes: int, devices: int, tmp: str, timeout: float) -> di
     rc, logs = train(argv, processes, devices, workdir, timeout)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     row["loadavg_before"], row["loadavg_after"] = before, loadavg()
-    row["command"] = " ".join(["python", "-m", "rl.train", *argv[3:]]).replace(str(workdir), "<workdir>")
+    row["job_command"] = " ".join(["python", "-m", "rl.train", *argv[3:]]).replace(str(workdir), "<workdir>")
     if processes > 1:
-        row["command"] = f"JAX_NUM_PROCESSES={processes} JAX_PROCESS_ID=<i> ... " + row["command"]
-    row["command"] = f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} " + row["command"]
+        row["job_command"] = f"JAX_NUM_PROCESSES={processes} JAX_PROCESS_ID=<i> ... " + row["job_command"]
+    row["job_command"] = f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} " + row["job_command"]
     said = [x.strip() for x in logs[0].splitlines() if "sampler: " in x]
     row["sampler_log"] = said[0] if said else None
     if rc:
@@ -206,7 +202,7 @@ def same_row(each: dict) -> dict:
     """one_e2t2's line on one process from each_e2t2's run there: the same engine mesh and devices."""
     row = {**each, "layout": "one_e2t2", "sampler": {**each["sampler"], "processes": 0}}
     row["same_as"] = "each_e2t2"
-    row["command"] = each["command"].replace("mesh.processes=1", "mesh.processes=0")
+    row["job_command"] = each["job_command"].replace("mesh.processes=1", "mesh.processes=0")
     row["not_run"] = "rl.engine.mesh.processes=0 on 1 process is each_e2t2's layout; its run's figures"
     for key in ("seconds", "loadavg_before", "loadavg_after"):
         row.pop(key, None)
@@ -240,11 +236,7 @@ def main() -> None:
                     row = {"bench": "memory_layouts", "layout": name, "hosts": f"{processes}x{devices}"}
                     row["skipped"] = str(e)
                 rows[name, processes, devices] = row
-                line = json.dumps(row)
-                print(line, flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(line + "\n")
+                emit(row, out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""python benchmarks/moe_decode.py
+"""python -m benchmarks moe_decode
 
 MoE at decode-size token counts: the small-token path (each token gathers its top-k experts' weights,
 `model.moe.gather_max_tokens`) against the dispatch path (sort, grouped matmuls), on the peers' anchor
@@ -12,13 +12,12 @@ paths of one line, measured alternately, not lines of different runs):
 - engine: `inference.Engine` tok/s, 16 x 32-token prompts, 64 new tokens, T=1, both paths (prefill
   chunks are above the threshold and take the dispatch either way).
 
-    python benchmarks/moe_decode.py --sections=layer,step --repeats=50
+    python -m benchmarks moe_decode --sections=layer,step --repeats=50
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -26,23 +25,22 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode import PEER_DIMS, PEER_MOE, model_config, peer_engine_kwargs, random_prompts
 from flax import nnx
 
 import model
-from model import moe
+from benchmarks.common import (
+    PEER_DIMS,
+    PEER_MOE,
+    chosen_sections,
+    model_config,
+    peer_engine_kwargs,
+    random_prompts,
+)
+from benchmarks.record import emit, loadavg
+from model.moe import layer as moe
 
 SECTIONS = ("layer", "step", "engine")
 PATHS = {"gather": 1 << 30, "dispatch": 0}  # gather_max_tokens of each path
-
-
-def loadavg() -> list[float]:
-    """The 1, 5 and 15-minute load averages (empty where /proc has none)."""
-    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else []
-
-
-def emit(line: dict) -> None:
-    print(json.dumps(line), flush=True)
 
 
 def anchor_config(path: str):
@@ -166,10 +164,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30, help="layer, step: timed calls per path (median)")
     p.add_argument("--engine_repeats", type=int, default=3, help="engine: generate calls per path (median)")
     a = p.parse_args()
-    chosen = [s for s in a.sections.split(",") if s]
-    unknown = sorted(set(chosen) - set(SECTIONS))
-    if unknown:
-        p.error(f"unknown --sections {unknown}; choose from {SECTIONS}")
+    chosen = chosen_sections(p, a.sections, SECTIONS)
     emit(
         {
             "bench": "moe_decode_setup",

@@ -1,4 +1,4 @@
-"""python benchmarks/mtp_draft.py [--train_steps 200] [--num_draft 1,2,4]
+"""python -m benchmarks mtp_draft [--train_steps 200] [--num_draft 1,2,4]
 
 The model's own MTP head as the drafter (`inference.MTPDrafter`, the "high-speed variant": same weights):
 `benchmarks/decode.py`'s speculative target (8 layers, d_model 512, vocab 1024) with one MTP module
@@ -20,11 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from decode import TARGET_DIMS, Engines, MarkovChain, best_run, emit, model_config
 from flax import nnx
 
 import model
-from inference import MTPDrafter, SamplingParams
+from benchmarks.common import (
+    TARGET_DIMS,
+    Engines,
+    MarkovChain,
+    greedy_identical,
+    model_config,
+    plain_vs_speculative,
+)
+from benchmarks.record import emit
+from inference import MTPDrafter
 from model import mtp as mtp_lib
 from model import plan
 from model.transformer import next_token_loss
@@ -96,23 +104,10 @@ def main() -> None:
             "num_draft": k,
             "load_avg_1m": round(os.getloadavg()[0], 2),
         }
-        outputs = {}
-        for name, temperature in (("t1", 1.0), ("greedy", 0.0)):
-            sp = SamplingParams(temperature=temperature, max_new_tokens=a.new, seed=5)
-            out_p, sec_p, _ = best_run(plain, prompts, sp, a.repeats)
-            out_s, sec_s, d = best_run(spec, prompts, sp, a.repeats)
-            outputs[name] = (out_p, out_s)
-            line[name] = {
-                "acceptance_rate": round(d["accepted_tokens"] / max(d["proposed_tokens"], 1), 4),
-                "tokens_per_target_forward": round(d["generated_tokens"] / d["target_row_forwards"], 3),
-                "plain_s": round(sec_p, 3),
-                "mtp_s": round(sec_s, 3),
-                "plain_tok_s": round(d["generated_tokens"] / sec_p, 1),
-                "mtp_tok_s": round(d["generated_tokens"] / sec_s, 1),
-                "speedup": round(sec_p / sec_s, 2),
-            }
-        out_p, out_s = outputs["greedy"]
-        line["greedy_identical"] = f"{sum(x.tokens == y.tokens for x, y in zip(out_p, out_s))}/{len(out_p)}"
+        outputs = plain_vs_speculative(plain, spec, prompts, a.new, a.repeats, side="mtp")
+        line.update({name: figures for name, (_, _, figures) in outputs.items()})
+        out_p, out_s, _ = outputs["greedy"]
+        line["greedy_identical"] = greedy_identical(out_p, out_s)
         line["compiles_after_warmup"] = engines.recompiles()["total"]
         emit(line)
 

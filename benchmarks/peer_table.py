@@ -1,4 +1,4 @@
-"""python benchmarks/peer_table.py [--write README.md]
+"""python -m benchmarks peer_table [--write README.md]
 
 The README's table of speed beside the peers, built from the committed raw lines of one session's runs:
 `benchmarks/results/grpo_step.jsonl` (`benchmarks/grpo_step.py --tunix_python=...`) and

@@ -1,11 +1,11 @@
-"""python benchmarks/plan_pod.py [--out=benchmarks/results/plan_pod.jsonl] [--markdown=FILE]
+"""python -m benchmarks plan_pod [--out=benchmarks/results/plan_pod.jsonl] [--markdown=FILE]
 
 The planner's answer to "which model does each pod layout hold": for each machine (TPU v5p-256 and v5p-512
 slices, one node of 8 H100), trainer and sampler layout and model (configs/moe_1t.py, configs/deepseek_v3.py,
 configs/moe_30b.py; each in its own param_dtype, f32, and in bf16), the bytes one device holds, from the
 config alone (nothing allocated):
 
-- live between steps (`model.plan_memory.device_bytes`, what the main job logs as memory/*): params, AdamW
+- live between steps (`rl.plan.memory.device_bytes`, what the main job logs as memory/*): params, AdamW
   state, the colocated engine's weights, other; the KL reference is off (configs/grpo.py's default);
 - the train step on top (`model.plan.plan`): f32 gradients and activations of one 4,096-token row per
   device (remat full, the configs' own);
@@ -13,7 +13,7 @@ config alone (nothing allocated):
   page_size 16, num_draft 4, the default prefix cache of half the slots' pages), per decode slot.
 
 `decode_slots` is the largest engine max_batch whose pages fit beside the rest in the chip's HBM (0: not
-even one; `fits` is decode_slots >= 1). HBM: v5p 95 GiB a chip (read as GiB, as `model.plan_rollout`
+even one; `fits` is decode_slots >= 1). HBM: v5p 95 GiB a chip (read as GiB, as `rl.plan.rollout`
 does: the spec sheet's "95 GB"), H100 80 GiB. A v5p-N slice has N TensorCores, N / 2 chips (Cloud TPU's
 v5p topologies: v5p-256 is 4x4x8, 128 chips; v5p-512 is 4x8x8, 256 chips); JAX sees one device per chip.
 
@@ -24,22 +24,17 @@ the largest model each layout holds.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 
-# The repository first: benchmarks/rl.py would shadow the rl package (this script's folder leads sys.path).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import record  # noqa: E402  (benchmarks/record.py)
-
+from benchmarks.record import emit  # noqa: E402
 from configs import deepseek_v3, moe_1t, moe_30b  # noqa: E402
 from model import plan as plan_lib  # noqa: E402
-from model import plan_memory  # noqa: E402
-from model.plan_memory import with_rl  # noqa: E402
 from rl import validate  # noqa: E402
+from rl.plan import memory as plan_memory  # noqa: E402
+from rl.plan.memory import with_rl  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CONTEXT_PROMPT, CONTEXT_NEW = 2048, 30_720
@@ -111,7 +106,7 @@ def row(machine: str, name: str, dtype: str, trainer: dict, sampler: dict) -> di
         slots += 1
     return {
         "bench": "plan_pod",
-        "machine": machine,
+        "pod": machine,
         "chips": chips,
         "hbm_gib": hbm_gib,
         "config": f"configs/{name}.py",
@@ -142,7 +137,7 @@ def markdown(lines: list[dict]) -> str:
     out = [
         "Decode slots (engine max_batch) at a 32k context that fit in each chip's HBM beside the train state "
         "(params, AdamW mu and nu in param_dtype), the colocated engine's weights, and the train step's f32 "
-        "gradients and activations of one 4k-token row per chip (`python benchmarks/plan_pod.py`, planner "
+        "gradients and activations of one 4k-token row per chip (`python -m benchmarks plan_pod`, planner "
         "estimates); no (+X GiB): one slot would exceed HBM by X.",
         "",
         "| machine | trainer mesh | sampler mesh | "
@@ -150,7 +145,7 @@ def markdown(lines: list[dict]) -> str:
         + " | largest held |",
         "|---" * (len(heads) + 4) + "|",
     ]
-    keyed = {(x["machine"], x["trainer_mesh"], x["config"], x["param_dtype"]): x for x in lines}
+    keyed = {(x["pod"], x["trainer_mesh"], x["config"], x["param_dtype"]): x for x in lines}
     for machine, (chips, hbm_gib, layouts) in MACHINES.items():
         for trainer, sampler in layouts:
             t = _mesh_text({**trainer, "data": chips // math.prod(trainer.values())})
@@ -177,29 +172,19 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS, "plan_pod.jsonl"))
     ap.add_argument("--markdown", default="", help="also write the Markdown table to this file")
     args = ap.parse_args()
-    command = "python benchmarks/plan_pod.py"  # paths as `record.portable` writes them (benchmarks/record.py)
-    if os.path.abspath(args.out) != os.path.abspath(os.path.join(RESULTS, "plan_pod.jsonl")):
-        command += f" --out={record.portable(args.out)}"
-    if args.markdown:
-        command += f" --markdown={record.portable(args.markdown)}"
-    header = {
-        "command": command,
-        "settings": (
-            f"context {CONTEXT_PROMPT} + {CONTEXT_NEW} tokens, one {ROW_TOKENS}-token training row per "
-            "device, configs/grpo.py rl defaults otherwise (KL off, engine colocated, prefix cache half the "
-            "slots' pages)"
-        ),
-    }
+    settings = (
+        f"context {CONTEXT_PROMPT} + {CONTEXT_NEW} tokens, one {ROW_TOKENS}-token training row per "
+        "device, configs/grpo.py rl defaults otherwise (KL off, engine colocated, prefix cache half the "
+        "slots' pages)"
+    )
+    open(args.out, "w").close()  # the file holds one run: the settings line, then one line per row
+    emit({"bench": "plan_pod_settings", "settings": settings}, out=args.out)
     lines = []
     for machine, (_, _, layouts) in MACHINES.items():
         for trainer, sampler in layouts:
             for name in MODELS:
                 for dtype in DTYPES:
-                    lines.append(row(machine, name, dtype, trainer, sampler))
-                    print(json.dumps(lines[-1]), flush=True)
-    with open(args.out, "w") as f:
-        for line in [header, *lines]:
-            f.write(json.dumps(line) + "\n")
+                    lines.append(emit(row(machine, name, dtype, trainer, sampler), out=args.out))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(lines) + "\n")

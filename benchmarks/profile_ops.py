@@ -1,7 +1,7 @@
-"""python benchmarks/profile_ops.py TRACE_DIR [--top 20]
+"""python -m benchmarks profile_ops TRACE_DIR [--top 20]
 
 Summarises a `jax.profiler` trace (the newest *.trace.json.gz under TRACE_DIR, e.g. from
-`benchmarks/grpo_step.py --trace_dir=DIR`) as one JSON line: the XLA ops' thread time by kind (the
+`python -m benchmarks grpo_step --trace_dir=DIR`) as one JSON line: the XLA ops' thread time by kind (the
 op name without its `.N` suffix: `ynn_fusion` is XLA:CPU's matmul library call, `while` a loop, the rest
 elementwise / copy fusions), the busiest single ops, and the busy time of each thread against the traced
 span. Thread time counts ops that run at once on two threads twice, so kinds are compared with each other,
@@ -16,6 +16,8 @@ import glob
 import gzip
 import json
 import os
+
+from benchmarks.record import emit
 
 # Host-side events of the runtime and of Python (`$file.py:line fn`), not XLA ops.
 HOST_PREFIXES = ("$", "Thunk", "Pjit", "np.", "Slinky", "CommonPjRt", "ParseArguments", "ArrayImpl", "end: ")
@@ -56,7 +58,7 @@ def main() -> None:
     path = newest_trace(a.trace_dir)
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
-    print(json.dumps(dict(summarise(events, a.top), trace=os.path.relpath(path, a.trace_dir))), flush=True)
+    emit(dict(summarise(events, a.top), trace=os.path.relpath(path, a.trace_dir)))
 
 
 if __name__ == "__main__":

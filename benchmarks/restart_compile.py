@@ -1,4 +1,4 @@
-"""python benchmarks/restart_compile.py [--config=configs/grpo.py:test] [--pairs=2] [--min_compile_s=1,0]
+"""python -m benchmarks restart_compile [--config=configs/grpo.py:test] [--pairs=2] [--min_compile_s=1,0]
 
 What JAX's persistent compilation cache saves a second run (or a restart after preemption) of the main job.
 Each run is `python -m rl.train --config=CONFIG --workdir=<fresh dir> --eval=false` in its own process, on
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from decode import emit
+from benchmarks.record import emit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

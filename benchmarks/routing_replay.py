@@ -6,7 +6,7 @@ Per seed, the main job's SFT warm start of `configs/grpo.py:test` (`rl.train.tra
 tiny MoE model, 2 MoE layers of 4 experts, top-2) is restored from its checkpoint. Then, per compute dtype,
 the same parameters go to an engine that records routing (`rl.validate.engine_config` turns
 `record_routing` on with rl.routing_replay), and `--batches` rollout batches are collected as the main job
-collects them (`rl.rollout.collect` on the `debug` domain, `rollout.make_batch(routing=True)`). Each batch
+collects them (`rl.rollout.collect` on the `debug` domain, `batch_lib.make_batch(routing=True)`). Each batch
 goes to the main job's GRPO update (`rl.train_step.make_grpo_update`) twice, each time on a fresh copy of
 the same train state: once with rl.routing_replay (the training forward uses the experts the engine chose)
 and once without (the trainer routes afresh). The update's metrics come from the forward before its
@@ -43,6 +43,7 @@ from benchmarks.record import emit, loadavg  # noqa: E402
 from configs import deepseek_v3, grpo  # noqa: E402
 from inference import routing  # noqa: E402
 from model import config as model_config  # noqa: E402
+from rl import batch as batch_lib
 from rl import run as run_dir
 
 METRICS = (  # the update's `rl.grpo.mismatch_metrics` of each arm; the summary takes the first three
@@ -120,7 +121,7 @@ def measure(seed: int, dtype: str, params, model_state, pool, batches: int, out:
         if not samples:
             out.append(emit({**line, "skipped": "every group filtered out", "counts": counts}))
             continue
-        batch, _ = rollout.make_batch(
+        batch, _ = batch_lib.make_batch(
             samples,
             adv_std=rl.advantage_std,
             length_bucket=cfg.seq_len,
@@ -143,7 +144,7 @@ def measure(seed: int, dtype: str, params, model_state, pool, batches: int, out:
     layers, pages, page_size, k = experts.shape
     slots = pages * page_size
     kv = sum(x.nbytes for name, x in engine.kv.items() if name != "experts")
-    in_batch = rollout.empty_batch(1, 1, routing=(layers, k))["expert_indices"]  # the trainer's [L, 1, 1, k]
+    in_batch = batch_lib.empty_batch(1, 1, routing=(layers, k))["expert_indices"]  # the trainer's [L, 1, 1, k]
     return {
         "dtype": dtype,
         "record_dtype": str(experts.dtype),

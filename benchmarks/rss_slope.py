@@ -1,4 +1,4 @@
-"""python benchmarks/rss_slope.py [--d_ff 1024 4096] [--out benchmarks/results/rss_slope.jsonl]
+"""python -m benchmarks rss_slope [--d_ff 1024 4096] [--out benchmarks/results/rss_slope.jsonl]
 
 How a process's memory grows with the model, measured as a new user would: two `python -m rl.train`
 processes of 4 fake CPU devices each, the test config (`configs/grpo.py:test`) with its routed experts made
@@ -29,10 +29,8 @@ import os
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the project's packages first: benchmarks/rl.py would shadow `rl`
-
-import hosts  # noqa: E402  (benchmarks/hosts.py)
+from benchmarks import hosts
+from benchmarks.record import ROOT, emit
 
 LAYOUTS = {
     "one_e2t2": {"rl.engine.mesh.processes": 0, "rl.engine.mesh.expert": 2, "rl.engine.mesh.tensor": 2},
@@ -87,8 +85,6 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "rss_slope.jsonl"))
     args = parser.parse_args()
-    command = "python benchmarks/rss_slope.py " + " ".join(sys.argv[1:])
-    lines = []
     for name in args.layouts:
         layout = LAYOUTS[name]
         runs = []
@@ -103,10 +99,8 @@ def main() -> None:
                 scan_layers=args.scan,
                 param_bytes=_param_bytes(d_ff),
                 loadavg=[load, os.getloadavg()],
-                command=command,
             )
-            print(json.dumps(r), flush=True)
-            runs.append(r)
+            runs.append(emit(r, out=args.out))
         dp = runs[1]["param_bytes"] - runs[0]["param_bytes"]
         slope = {
             "bench": "rss_slope",
@@ -115,13 +109,8 @@ def main() -> None:
             "rss_per_param_byte": (runs[1]["peak_rss_bytes"] - runs[0]["peak_rss_bytes"]) / dp,
             "device_bytes_per_param_byte": (runs[1]["device_bytes"] - runs[0]["device_bytes"]) / dp,
             "param_bytes": [r["param_bytes"] for r in runs],
-            "command": command,
-            "machine": {"nproc": os.cpu_count()},
         }
-        print(json.dumps(slope), flush=True)
-        lines += runs + [slope]
-    with open(args.out, "a") as f:
-        f.writelines(json.dumps(x) + "\n" for x in lines)
+        emit(slope, out=args.out)
 
 
 if __name__ == "__main__":

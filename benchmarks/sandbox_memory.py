@@ -1,4 +1,4 @@
-"""python benchmarks/sandbox_memory.py [--runs=30] [--load=2] [--watch_nice_below=10]
+"""python -m benchmarks sandbox_memory [--runs=30] [--load=2] [--watch_nice_below=10]
     [--watch_slice_ns=100000]
 
 How far past its total memory a sandboxed run gets before the sandbox stops it, on a busy machine: the
@@ -17,19 +17,16 @@ One JSON line per run ({"run", "over_mib": peak - total, "killed": memory_exceed
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import threading
 import time
 import uuid
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from envs.qa import escape as qa_escape  # noqa: E402
-from envs.sandbox import box as sandbox  # noqa: E402
+from benchmarks.record import emit
+from envs.qa import escape as qa_escape
+from envs.sandbox import box as sandbox
 
 
 def _load(stop, seed: int) -> None:
@@ -85,16 +82,16 @@ def main() -> None:
                 sampler.join()
                 overs.append(out[0] / 2**20)
                 line = {"run": i, "over_mib": round(overs[-1], 1), "killed": run.memory_exceeded}
-                print(json.dumps({**line, "s": round(time.monotonic() - start, 2)}), flush=True)
+                emit({**line, "s": round(time.monotonic() - start, 2)})
     finally:
         stop.set()
         for p in loads:
             p.join()
     ranked = sorted(overs)
-    print(json.dumps({
+    emit({
         "bench": "sandbox_memory",
         "runs": args.runs,
-        "load": args.load,
+        "load_processes": args.load,
         "watch_nice_below": args.watch_nice_below,
         "watch_slice_ns": args.watch_slice_ns,
         "max_over_mib": round(ranked[-1], 1),
@@ -104,8 +101,7 @@ def main() -> None:
         "resources": sandbox.isolation().resources,
         "host_nice": os.getpriority(os.PRIO_PROCESS, 0),
         "root": os.geteuid() == 0,
-        "loadavg": os.getloadavg(),
-    }))  # fmt: skip
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""python benchmarks/serve.py [--configs=tiny,small] [--quick]
+"""python -m benchmarks serve [--configs=tiny,small] [--quick]
 
 Serving figures of `python -m inference.serve`: the server runs as a subprocess on 127.0.0.1 over a config's
 random weights (`--config=configs/<name>.py`, the byte tokenizer), and this process drives it with the
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import socket
@@ -36,6 +35,8 @@ import time
 import urllib.request
 
 import numpy as np
+
+from benchmarks.record import emit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KNEE_FACTOR = 2.0
@@ -248,10 +249,6 @@ def main() -> None:
     parser.add_argument("--ready_timeout", type=float, default=900.0, help="seconds to wait for warmup")
     parser.add_argument("--log_dir", default="/tmp", help="where the server logs go")
     args = parser.parse_args()
-    command = "python benchmarks/serve.py " + " ".join(sys.argv[1:])
-    emit = lambda obj: print(
-        json.dumps({**obj, "command": command.strip(), "load_avg": os.getloadavg()}), flush=True
-    )
     for name in args.configs.split(","):
         setup = SETUPS[name]
         rates = setup["rates"][:: len(setup["rates"]) - 1] if args.quick else setup["rates"]

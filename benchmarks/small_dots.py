@@ -1,4 +1,4 @@
-"""python benchmarks/small_dots.py [--sections=matmul,engine] [--repeats=5]
+"""python -m benchmarks small_dots [--sections=matmul,engine] [--repeats=5]
 
 XLA:CPU's two dot kernels at decode-size row counts, behind `inference.steps.dot_options` (on an x86-64 CPU
 without AVX-512, engine steps of `steps.SMALL_DOT_MIN_ROWS` to `SMALL_DOT_ROWS` matmul rows compile with YNN
@@ -26,20 +26,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode import (
+from flax import nnx
+
+from benchmarks.common import (
     DRAFT_DIMS,
     PEER_DIMS,
     PEER_MOE,
     TARGET_DIMS,
     Engines,
-    emit,
     model_config,
     peer_engine_kwargs,
     random_prompts,
     run,
 )
-from flax import nnx
-
+from benchmarks.record import emit
 from inference import SamplingParams, steps
 from inference.drafters import ModelDrafter
 from model import transformer as model

@@ -1,4 +1,4 @@
-"""python benchmarks/train_step.py
+"""python -m benchmarks train_step
 
 Training-step throughput on the default JAX device (one device, no mesh). One JSON line per config:
 step time (median of --steps timed steps, after the compiling step and one warm step), tokens/s,
@@ -10,26 +10,26 @@ the step-time ratio when the expert count doubles at fixed top-k (capacity dispa
 A step is forward + backward + optax AdamW with global-norm clipping, jitted once with the train state
 donated; loss = next-token cross-entropy + aux['moe_loss'].
 
-    python benchmarks/train_step.py --configs=small_moe,expert_doubling --steps=3
-    python benchmarks/train_step.py --configs=tiny --batch=16 --seq_len=64
+    python -m benchmarks train_step --configs=small_moe,expert_doubling --steps=3
+    python -m benchmarks train_step --configs=tiny --batch=16 --seq_len=64
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
-import matmul_peak
 import ml_collections
 import optax
 from flax import nnx
 
 import model
+from benchmarks import matmul_peak
+from benchmarks.record import emit
 from model import plan
 
 # --configs name -> (configs/<file>.py, argument)
@@ -118,7 +118,7 @@ class Bench:
             "steps": self.steps,
             "loss": round(r["loss"], 4),
         }
-        print(json.dumps(line), flush=True)
+        emit(line)
         self.step_s[key] = step_s
         return step_s
 
@@ -134,7 +134,7 @@ class Bench:
             "target": DOUBLING_TARGET,
             "met": ratio < DOUBLING_TARGET,
         }
-        print(json.dumps(line), flush=True)
+        emit(line)
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""python benchmarks/weight_sync.py [--config small] [--steps 5] [--out results/weight_sync.jsonl]
-python benchmarks/weight_sync.py --processes 2 [--config test] [--out results/weight_sync_hosts.jsonl]
+"""python -m benchmarks weight_sync [--config small] [--steps 5] [--out results/weight_sync.jsonl]
+python -m benchmarks weight_sync --processes 2 [--config test] [--out results/weight_sync_hosts.jsonl]
 
 Weight-sync seconds and bytes per step from a trainer holding the params FSDP-sharded (the training rules) to
 the sampler's engines on their inference layout.
@@ -17,8 +17,8 @@ devices (8 fake CPU devices unless XLA_FLAGS says otherwise):
 Across processes (`--processes N`: N child processes of this script, `--child`, of 4 fake CPU devices each,
 joined by `rl.distributed.initialize` with gloo CPU collectives; `--config` a `configs/grpo.py` argument,
 default `test`): the main job's push (`rl/train.py`'s `_weight_sync` across processes:
-`rl.sampler.Layout.push` of `rl.train_step.weights(state)` to every engine's layout in one jitted reshard,
-then `Engine.update_params(..., placed=True)`) from a state of `rl.train_step.init_state` on the trainer's
+`rl.sampler.Layout.push` of `rl.train_state.weights(state)` to every engine's layout in one jitted reshard,
+then `Engine.update_params(..., placed=True)`) from a state of `rl.train_state.init_state` on the trainer's
 mesh (`rl.distributed.trainer_mesh`), for each sampler layout in `HOST_LAYOUTS` (`rl.engine.mesh`,
 `rl.sampler_devices`):
 
@@ -40,7 +40,7 @@ bytes `Layout.push` moved to engine devices that lacked them per step (summed ov
 bytes the engine's weights hold on one of process 0's devices (`rl.memory.per_device`), the param bytes, and
 `memory/device_bytes` (`rl.memory.device_bytes`: the largest bytes of live arrays on one local device: the
 trainer state, the engine's weights and KV pages) after the steps, beside the planner's figure for the same
-meshes (`plan_device_bytes`: `model.plan_memory.device_bytes`'s total). After each timed push, untimed, the
+meshes (`plan_device_bytes`: `rl.plan.memory.device_bytes`'s total). After each timed push, untimed, the
 main job's `gc.collect(1)` (`gc_s_median`; without it the replaced engine weights stay live in nnx's
 reference cycles: one more engine copy per device). Process 0's lines are printed, with every process's
 `sync_s` median beside (`sync_s_median_by_process`).
@@ -59,10 +59,8 @@ from __future__ import annotations
 import os
 import sys
 
-# The repo root first: benchmarks/rl.py would shadow the `rl` package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import hosts  # noqa: E402  (benchmarks/hosts.py)
+from benchmarks import hosts
+from benchmarks.record import emit, loadavg
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -89,10 +87,6 @@ from inference.weight_sync import WeightSync
 from model import sharding
 
 ENGINE = EngineConfig(max_batch=1, max_seq_len=16, page_size=16, num_pages=4, prefill_chunk=16, min_bucket=16)
-
-
-def loadavg() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()]
 
 
 def trainer_params(cfg, devices, seed: int = 0):
@@ -195,7 +189,7 @@ def trainer_shape(cfg, processes: int, n: int) -> tuple[dict[str, int] | None, l
     """The trainer's mesh shape over its `n` devices (the module docstring's order; set on `cfg.mesh.shape`),
     or None, with why each shape tried before was refused."""
     from model import config as model_config
-    from rl import distributed, train_step, validate
+    from rl import distributed, train_state, validate
 
     refused = []
     for f in sorted((f for f in range(1, n + 1) if n % f == 0), reverse=True):
@@ -204,7 +198,7 @@ def trainer_shape(cfg, processes: int, n: int) -> tuple[dict[str, int] | None, l
         try:
             model_config.validate(cfg, n)
             mesh = distributed.trainer_mesh(cfg)
-            validate.check_mesh(cfg, processes, batch_shards=train_step.batch_shard_count(cfg, mesh))
+            validate.check_mesh(cfg, processes, batch_shards=train_state.batch_shard_count(cfg, mesh))
             return shape, refused
         except ConfigError as e:
             refused.append(f"{_sizes(shape)}: {e}")
@@ -218,8 +212,8 @@ def _sizes(shape) -> dict[str, int]:
 def host_layout(config: str, name: str, steps: int, lr: float) -> dict:
     """One layout's line (see the module docstring), on every process; the pushes are collectives."""
     from configs import grpo
-    from model import plan_memory
-    from rl import distributed, memory, sampler, train_step, validate
+    from rl import distributed, memory, sampler, train_state, validate
+    from rl.plan import memory as plan_memory
 
     per, expert, tensor, sampler_devices = HOST_LAYOUTS[name]
     processes = jax.process_count()
@@ -232,11 +226,11 @@ def host_layout(config: str, name: str, steps: int, lr: float) -> dict:
     if shape is None:
         return {**head, "skipped": "no trainer mesh fits: " + "; ".join(refused)}
     mesh = distributed.trainer_mesh(cfg)
-    _, state = train_step.init_state(cfg, mesh=mesh, seed=0)
+    _, state = train_state.init_state(cfg, mesh=mesh, seed=0)
     engine_cfg = validate.engine_config(cfg)
     try:  # the layout's errors name the field (an engine shape, rl.sampler_devices against the trainer's)
         place = sampler.layout(cfg, mesh)
-        weights = place.engine_weights(train_step.weights(state), cfg, engine_cfg)
+        weights = place.engine_weights(train_state.weights(state), cfg, engine_cfg)
     except ConfigError as e:
         return {**head, "skipped": str(e)}
     engine = Engine(cfg, weights, engine_cfg, mesh=place.mesh, placed=place.placed)
@@ -252,7 +246,7 @@ def host_layout(config: str, name: str, steps: int, lr: float) -> dict:
     before = loadavg()
     key = jax.random.key(0)
     state = state.replace(params=update(state.params, jax.random.fold_in(key, 0)))
-    push(train_step.weights(state))  # warm: compiles
+    push(train_state.weights(state))  # warm: compiles
     jax.block_until_ready(engine.params)
     rows = []
     for step in range(1, steps + 1):
@@ -260,7 +254,7 @@ def host_layout(config: str, name: str, steps: int, lr: float) -> dict:
             params=jax.block_until_ready(update(state.params, jax.random.fold_in(key, step)))
         )
         t0 = time.perf_counter()
-        moved = push(train_step.weights(state))
+        moved = push(train_state.weights(state))
         t1 = time.perf_counter()
         jax.block_until_ready(engine.params)
         t2 = time.perf_counter()
@@ -277,7 +271,7 @@ def host_layout(config: str, name: str, steps: int, lr: float) -> dict:
         colocated=not sampler_devices,
     )
     by_process = distributed.allgather([float(np.median(sync_s))])[:, 0]
-    leaves = jax.tree.leaves(train_step.weights(state))
+    leaves = jax.tree.leaves(train_state.weights(state))
     engine_bytes = memory.per_device(jax.tree.leaves(engine.params))
     return {
         **head,
@@ -320,7 +314,9 @@ def across_processes(args) -> list[dict]:
     """Starts the children, waits for them (stopping the others when one fails); process 0's lines."""
     argv = [
         sys.executable,
-        os.path.abspath(__file__),
+        "-m",
+        "benchmarks",
+        "weight_sync",
         "--child",
         "--steps",
         str(args.steps),
@@ -358,18 +354,12 @@ def main() -> None:
         return child(args)
     if args.processes > 1:
         start = loadavg()
-        machine = {"nproc": len(os.sched_getaffinity(0)), "loadavg_start": start}
-        machine["devices"] = f"{args.processes} processes x {DEVICES_EACH} fake CPU devices, gloo collectives"
-        command = " ".join(["python", os.path.relpath(__file__)] + sys.argv[1:])
-        lines = [{**out, "command": command, "machine": machine} for out in across_processes(args)]
+        devices = f"{args.processes} processes x {DEVICES_EACH} fake CPU devices, gloo collectives"
+        lines = [{**out, "devices": devices, "loadavg_start": start} for out in across_processes(args)]
     else:
         lines = one_process(args)
     for out in lines:
-        line = json.dumps(out)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(out, out=args.out)
 
 
 def one_process(args) -> list[dict]:

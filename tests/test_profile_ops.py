@@ -1,7 +1,7 @@
 """benchmarks/profile_ops.py: XLA op thread time by kind from a jax.profiler trace, host events left out.
 The events below are made by hand, so every sum is checked against arithmetic done here."""
 
-from benchmark_modules import load
+from benchmarks import profile_ops
 
 
 def _x(name, tid, ts, dur):
@@ -18,7 +18,7 @@ def test_kinds_ops_and_threads_are_summed_by_hand():
         _x("ThunkExecutor::Execute", 1, 0, 9000),
         {"ph": "M", "name": "thread_name", "tid": 1},  # metadata, no duration
     ]
-    s = load("profile_ops").summarise(events, top=2)
+    s = profile_ops.summarise(events, top=2)
     assert s["op_thread_ms"] == 10.0  # 3 + 1 + 2 + 4
     assert s["span_ms"] == 6.0  # ops from t=0 to t=6 ms
     assert s["kinds"]["ynn_fusion"] == {"ms": 6.0, "share": 0.6}

@@ -1,4 +1,4 @@
-"""python benchmarks/rl.py
+"""python -m benchmarks grpo_job
 
 The GRPO main job's throughput, one JSON line with one entry per section (`--sections`):
 
@@ -39,9 +39,9 @@ recorded experts, by benchmarks/routing_replay.py.
 
 The machine may be shared: compare the two modes (and MFU with its own peak) within one run.
 
-    python benchmarks/rl.py --sections=async --steps=12
-    python benchmarks/rl.py --quick
-    python benchmarks/rl.py --sections=ppo,drafters
+    python -m benchmarks grpo_job --sections=async --steps=12
+    python -m benchmarks grpo_job --quick
+    python -m benchmarks grpo_job --sections=ppo,drafters
 """
 
 from __future__ import annotations
@@ -57,15 +57,16 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".jax_cache"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import matmul_peak  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import matmul_peak  # noqa: E402
+from benchmarks.common import chosen_sections  # noqa: E402
+from benchmarks.record import emit  # noqa: E402
 from configs import grpo  # noqa: E402
 from envs.domains import debug  # noqa: E402
 from model import plan  # noqa: E402
@@ -183,13 +184,13 @@ def synthetic_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def train_step_mfu(batch: int, seq_len: int | None, steps: int) -> dict:
-    from rl import train_step
+    from rl import train_state, train_step
 
     cfg = grpo.get_config("small")
     full = (cfg.batch_size, cfg.seq_len)
     cfg.batch_size, cfg.seq_len = batch, seq_len or cfg.seq_len
     peak = matmul_peak.measure()["peak_flops"]
-    model_def, state = train_step.init_state(cfg, seed=0)
+    model_def, state = train_state.init_state(cfg, seed=0)
     step_fn = train_step.make_train_step(cfg, model_def)
     arrays = {k: jnp.asarray(v) for k, v in synthetic_batch(cfg).items()}
     times = []
@@ -297,10 +298,7 @@ def main() -> None:
     p.add_argument("--draft_sft_steps", type=int, default=400, help="warm-start steps per drafter run")
     p.add_argument("--quick", action="store_true", help="smoke run: 6 steps, MFU on 2 x 128")
     a = p.parse_args()
-    chosen = [s for s in a.sections.split(",") if s]
-    unknown = sorted(set(chosen) - set(SECTIONS))
-    if unknown:
-        p.error(f"unknown --sections {unknown}; choose from {SECTIONS}")
+    chosen = chosen_sections(p, a.sections, SECTIONS)
     if "peer" in chosen and not a.peer_script:
         p.error(
             "--sections=peer needs --peer_script=PATH (tunix_grpo_step_bench.py, outside this repository)"
@@ -325,7 +323,7 @@ def main() -> None:
         line["drafters"] = drafters(a.draft_steps, a.draft_sft_steps)
     line["load_avg_1m_end"] = os.getloadavg()[0]
     line["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(line), flush=True)
+    emit(line)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""python benchmarks/envs.py
+"""python -m benchmarks env_throughput
 
 The environment layer's speed, one JSON line per figure:
     sandbox_start   `envs.sandbox` start latency of `true`: warm (zygote, children made ahead) vs cold
@@ -16,24 +16,20 @@ The environment layer's speed, one JSON line per figure:
                     kind. A looping completion costs what the domain's limits let it run.
 Figures whose module does not exist yet print {"skipped": reason}. Never imports JAX.
 
-    python benchmarks/envs.py --calls=2000 --episodes=200
-    python benchmarks/envs.py --domains=math,scene3d
-    python benchmarks/envs.py --only=sandbox_start,load --load_episodes=40
+    python -m benchmarks env_throughput --calls=2000 --episodes=200
+    python -m benchmarks env_throughput --domains=math,scene3d
+    python -m benchmarks env_throughput --only=sandbox_start,load --load_episodes=40
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from envs import registry  # noqa: E402
+from benchmarks.record import emit
+from envs import registry
 
 WORKERS = 2
 
@@ -41,10 +37,6 @@ WORKERS = 2
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def _emit(record: dict) -> None:
-    print(json.dumps(record, sort_keys=True), flush=True)
 
 
 def sandbox_start(n: int, pause_ms: float = 0.0) -> dict:
@@ -212,22 +204,19 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated figures (default: all)")
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else {"sandbox_start", "pool_overhead", "episodes", "load"}
-    command = " ".join(["python", *sys.argv])
     if "sandbox_start" in only:
         for pause_ms in (0.0, args.start_pause_ms):
-            load_avg = os.getloadavg()
-            _emit({**sandbox_start(args.starts, pause_ms), "load_avg_1m": load_avg[0], "load_avg": load_avg,
-                   "command": command})  # fmt: skip
+            emit(sandbox_start(args.starts, pause_ms))
     if "pool_overhead" in only:
-        _emit(pool_overhead(args.calls))
+        emit(pool_overhead(args.calls))
     domains = args.domains.split(",") if args.domains else [d for d in registry.names() if d != "debug"]
     for domain in domains if "episodes" in only else []:
         if domain in registry.names() and not _ready(domain):
-            _emit({"bench": "episodes", "domain": domain, "skipped": "domain module not written yet"})
+            emit({"bench": "episodes", "domain": domain, "skipped": "domain module not written yet"})
             continue
-        _emit(episodes(domain, args.episodes))
+        emit(episodes(domain, args.episodes))
     for domain in ("code", "terminal") if "load" in only else ():
-        _emit({**load(domain, args.load_episodes), "load_avg_1m": os.getloadavg()[0], "command": command})
+        emit(load(domain, args.load_episodes))
 
 
 if __name__ == "__main__":
