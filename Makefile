@@ -38,7 +38,7 @@ lint: $(VENV)/.installed-test
 	$(PY) -m ruff format --check .
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/train_step.py
+	$(PY) -m benchmarks train_step
 
 clean:
 	rm -rf $(VENV) .pytest_cache
