@@ -64,7 +64,7 @@ def policy_forward(
 def logit_window(cfg, length: int) -> int:
     """Positions per row the GRPO forwards compute logits for, over rows of `length` tokens: with
     rl.max_turns = 1 a row's trained tokens are its completion, at most rl.max_new_tokens right after its
-    prompt, so the LM head and its softmax skip the prompt positions (`rollout.make_batch(window=...)`
+    prompt, so the LM head and its softmax skip the prompt positions (`rl.batch.make_batch(window=...)`
     refuses a row that breaks this). 0: every position (multi-turn rows interleave observations, or the
     window would not be shorter)."""
     rl = cfg.rl

@@ -43,10 +43,11 @@ from absl import flags
 
 from configs import cli
 from configs.errors import UserError
-from envs.qa import gate as qa
 from envs.pool import EnvPool
+from envs.qa import gate as qa
 from inference import Engine
 from model.io.tokenizer import load_tokenizer
+from rl import batch as batch_lib
 from rl import (
     checkpoint,
     curriculum,
@@ -285,7 +286,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
             batch, stats = None, {}
             # Else every group (of every process) was filtered out: nothing to learn from this round.
             if samples or (processes > 1 and distributed.any_process(bool(samples))):
-                batch, stats = rollout.make_batch(
+                batch, stats = batch_lib.make_batch(
                     samples,
                     adv_std=rl.advantage_std,
                     length_bucket=cfg.seq_len,
@@ -426,7 +427,7 @@ def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
     compiles nothing; an error in either is raised here. The overlap pays on hosts with more cores than one
     compile keeps busy (`python -m benchmarks grpo_ab` measures it)."""
     rl = cfg.rl
-    local = rollout.empty_batch(
+    local = batch_lib.empty_batch(
         rows,
         cfg.seq_len,
         routing=(engine.num_moe_layers, cfg.model.moe.top_k) if rl.routing_replay else None,

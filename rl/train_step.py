@@ -84,7 +84,7 @@ def make_logprobs(
     graph definition's). `replay` defaults to rl.routing_replay; the reference passes False (it is another
     model: it routes its own way) and `processed=False` (the KL is between the models' unfiltered
     distributions). With a `logit_window` only the window's tokens are scored (every trained token: see
-    `rollout.make_batch(window=...)`); prompt positions hold 0. The jitted function is shared by every call
+    `rl.batch.make_batch(window=...)`); prompt positions hold 0. The jitted function is shared by every call
     with the same `step_config`, graph, options and mesh (`_logprobs`)."""
     model_def = train_state.as_model_def(graphdef)
     replay = bool(cfg.rl.routing_replay if replay is None else replay)
@@ -376,7 +376,7 @@ def make_grpo_update(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.shar
         """Compiles every executable `update(state, batch, ref_params=...)` runs (reference and proximal
         log-probs, the train step at the batch's and the mini-batches' row count) without running any:
         `state` is neither changed nor donated. `batch`: one of the rollout batches' shapes, placed as they
-        are (`rl.rollout.empty_batch` through `rl.distributed.global_batch`). The main job compiles the
+        are (`rl.batch.empty_batch` through `rl.distributed.global_batch`). The main job compiles the
         update this way while the engine warms up."""
         batch = dict(batch)
         rows = batch["tokens_BT"].shape[0]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import ml_collections
 import numpy as np
 
 from envs import Task, registry
 from rl import distributed, rollout, train_state, train_step
+from rl.batch import sft_batch
 
 
 def corrupt(text: str, rng: np.random.Generator) -> str:
@@ -45,21 +46,6 @@ def sft_example(
         text = corrupt(text, rng)
     solution = tokenizer.encode(text) + [tokenizer.eos_id]
     return prompt + solution, [0] * len(prompt) + [1] * len(solution)
-
-
-def sft_batch(
-    examples: Sequence[tuple[list[int], list[int]]], rows: int, length: int
-) -> dict[str, np.ndarray]:
-    """Right-padded [rows, length] arrays; examples longer than `length` keep their last `length` tokens
-    (the solution end); missing rows are all padding (mask 0)."""
-    tokens = np.zeros((rows, length), np.int32)
-    mask = np.zeros((rows, length), np.float32)
-    for r, (toks, m) in enumerate(examples[:rows]):
-        toks, m = toks[-length:], m[-length:]
-        tokens[r, : len(toks)] = toks
-        mask[r, : len(m)] = m
-    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
-    return {"tokens_BT": tokens, "positions_BT": positions, "mask_BT": mask}
 
 
 def run_sft(

@@ -9,10 +9,11 @@ from flax import nnx
 import model
 from configs import tiny
 from envs import Task, registry
-from envs.pool import EnvPool
 from envs.domains.terminal import tasks as terminal_tasks
+from envs.pool import EnvPool
 from inference import Completion, Engine, EngineConfig, SamplingParams
 from model.io.tokenizer import ByteTokenizer
+from rl import batch as batch_lib
 from rl import grpo
 from rl import rollout as ro
 
@@ -99,7 +100,7 @@ def test_rollout_single_turn_real_engine(engine, pool):
     for s, logp in zip(samples, scored):
         np.testing.assert_allclose(s.behaviour_logp, logp, atol=LOGP_TOL)
 
-    batch, stats = ro.make_batch(samples, length_bucket=16)
+    batch, stats = batch_lib.make_batch(samples, length_bucket=16)
     for r, s in enumerate(samples):
         p, c = len(s.prompt_tokens), len(s.tokens)
         np.testing.assert_array_equal(batch["tokens_BT"][r, : p + c], s.prompt_tokens + s.tokens)
@@ -274,7 +275,7 @@ def _ragged():
 
 
 def test_make_batch_golden_ragged():
-    batch, stats = ro.make_batch(_ragged(), length_bucket=4, row_multiple=4)
+    batch, stats = batch_lib.make_batch(_ragged(), length_bucket=4, row_multiple=4)
     # Rows: 5 of lengths 5, 3, 3, 2, 5 -> T = 8 (bucket 4); 5 rows padded to 8 (row_multiple 4).
     np.testing.assert_array_equal(
         batch["tokens_BT"][:5],
@@ -298,9 +299,9 @@ def test_make_batch_golden_ragged():
     np.testing.assert_allclose(batch["advantages_B"], [g10, -g10, -g11, 0, g11, 0, 0, 0], rtol=1e-6)
     # "none": centred only. "batch": centred per group over the std of all five rewards (1, 0, 0, .5, 1):
     # mean .5, squared deviations .25 * 4 -> var .2, std .4472136 -> +-.5 / .4472136 = +-1.1180340.
-    none = ro.make_batch(_ragged(), adv_std="none", length_bucket=4)[0]["advantages_B"]
+    none = batch_lib.make_batch(_ragged(), adv_std="none", length_bucket=4)[0]["advantages_B"]
     np.testing.assert_allclose(none, [0.5, -0.5, -0.5, 0, 0.5], atol=1e-7)
-    over_batch = ro.make_batch(_ragged(), adv_std="batch", length_bucket=4)[0]["advantages_B"]
+    over_batch = batch_lib.make_batch(_ragged(), adv_std="batch", length_bucket=4)[0]["advantages_B"]
     b = 0.5 / (np.sqrt(0.2) + 1e-6)
     np.testing.assert_allclose(over_batch, [b, -b, -b, 0, b], rtol=1e-6)
     assert stats["trained_tokens"] == 2 + 1 + 2 + 1 + 4 and stats["truncated_rows"] == 0
@@ -309,29 +310,29 @@ def test_make_batch_golden_ragged():
 
 
 def test_make_batch_truncation_and_equal_groups():
-    batch, stats = ro.make_batch(_ragged(), length_bucket=4, max_len=4)
+    batch, stats = batch_lib.make_batch(_ragged(), length_bucket=4, max_len=4)
     # Rows longer than 4 keep their first 4 tokens; mask and log-probs are cut alike.
     np.testing.assert_array_equal(batch["tokens_BT"][0], [5, 6, 7, 8])
     np.testing.assert_array_equal(batch["mask_BT"][0], [0, 0, 1, 0])
     np.testing.assert_array_equal(batch["mask_BT"][4], [0, 1, 1, 1])
     assert batch["tokens_BT"].shape == (5, 4) and stats["truncated_rows"] == 2
     with pytest.raises(ValueError, match="no completion token"):
-        ro.make_batch(_ragged(), max_len=2)
+        batch_lib.make_batch(_ragged(), max_len=2)
     # Equal groups: the same as rl.grpo.group_advantages on the whole batch, for every variant.
     rewards = [1.0, 0.0, 0.0, 0.25, 0.5, 1.0]
     samples = [_sample(i // 3, r) for i, r in enumerate(rewards)]
     for std in ("group", "batch", "none"):
         expected = grpo.group_advantages(np.asarray(rewards, np.float32), 3, std=std)
-        got = ro.make_batch(samples, adv_std=std)[0]["advantages_B"]
+        got = batch_lib.make_batch(samples, adv_std=std)[0]["advantages_B"]
         np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-6, atol=1e-7)
 
 
 def test_make_batch_refuses_rows_longer_than_the_logit_window():
     # The longest completions in _ragged() are 4 tokens (rows 0 and 4 hold 3 and 4): a window of 4 fits.
-    batch, _ = ro.make_batch(_ragged(), length_bucket=4, window=4)
+    batch, _ = batch_lib.make_batch(_ragged(), length_bucket=4, window=4)
     assert batch["tokens_BT"].shape == (5, 8)
     with pytest.raises(ValueError, match=r"4 tokens after its prompt.*logit window of 3.*rl\.max_new_tokens"):
-        ro.make_batch(_ragged(), length_bucket=4, window=3)
+        batch_lib.make_batch(_ragged(), length_bucket=4, window=3)
 
 
 # --- back-fill ----------------------------------------------------------------------------------------------

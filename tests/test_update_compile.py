@@ -1,7 +1,7 @@
 """`make_grpo_update(...).compile`: the main job compiles its update before the first step (beside the
 engine's warmup, `rl.train._warm_up`); the first real update then compiles none of the executables it
 runs (reference and proximal log-probs, the train step at the mini-batch row count), and compiling neither
-changes nor donates the state. `rollout.empty_batch` has exactly `make_batch`'s entries, shapes and dtypes.
+changes nor donates the state. `rl.batch.empty_batch` has exactly `make_batch`'s entries, shapes and dtypes.
 """
 
 import logging
@@ -13,7 +13,8 @@ from configs import grpo as grpo_config
 from envs import Task
 from model import config as model_config
 from model import sharding
-from rl import distributed, rollout
+from rl import batch as batch_lib
+from rl import distributed, rollout, train_state
 from rl import train_step as ts
 
 B, T = 8, 16
@@ -55,10 +56,10 @@ def test_empty_batch_matches_make_batch():
     cfg = _cfg()
     layers, k = model_config.layer_counts(cfg.model)[1], cfg.model.moe.top_k
     samples = [_sample(g, 4 + g, float(i), layers, k) for g in range(2) for i in range(2)]
-    real, _ = rollout.make_batch(
+    real, _ = batch_lib.make_batch(
         samples, length_bucket=T, max_len=T, rows=B, routing=True, domains=("debug",)
     )
-    empty = rollout.empty_batch(B, T, routing=(layers, k), domains=("debug",))
+    empty = batch_lib.empty_batch(B, T, routing=(layers, k), domains=("debug",))
     assert sorted(empty) == sorted(real)
     for key in real:
         assert (empty[key].shape, empty[key].dtype) == (real[key].shape, real[key].dtype), key
@@ -68,17 +69,17 @@ def test_empty_batch_matches_make_batch():
 def test_compiled_update_compiles_nothing_and_keeps_the_state(caplog):
     cfg = _cfg()
     mesh = sharding.make_mesh(cfg.mesh.shape)
-    model_def, state = ts.init_state(cfg, mesh=mesh, seed=0)
+    model_def, state = train_state.init_state(cfg, mesh=mesh, seed=0)
     ref_params = jax.tree.map(lambda x: x.copy(), state.params)
     before = jax.tree.map(np.asarray, state.params)
     update = ts.make_grpo_update(cfg, model_def, mesh=mesh)
     layers, k = model_config.layer_counts(cfg.model)[1], cfg.model.moe.top_k
     place = lambda local: distributed.global_batch(
-        local, ts.batch_shardings(cfg, tuple(local), mesh, B), ts.ROW_AXIS
+        local, train_state.batch_shardings(cfg, tuple(local), mesh, B), train_state.ROW_AXIS
     )
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True):
-        update.compile(state, place(rollout.empty_batch(B, T, routing=(layers, k))), ref_params=ref_params)
+        update.compile(state, place(batch_lib.empty_batch(B, T, routing=(layers, k))), ref_params=ref_params)
     compiled = _compiled(caplog.records)
     # the reference and proximal log-probs (`fn`) and the train step of B / 2 rows (`step`)
     assert sum("jit(fn)" in m for m in compiled) == 2, compiled
@@ -88,7 +89,7 @@ def test_compiled_update_compiles_nothing_and_keeps_the_state(caplog):
         np.testing.assert_array_equal(np.asarray(a), b)
 
     samples = [_sample(g, 3 + 2 * i, float(i), layers, k) for g in range(4) for i in range(2)]
-    batch, _ = rollout.make_batch(samples, length_bucket=T, max_len=T, rows=B, routing=True)
+    batch, _ = batch_lib.make_batch(samples, length_bucket=T, max_len=T, rows=B, routing=True)
     caplog.clear()
     with jax.log_compiles(True):
         state, metrics = update(state, place(batch), ref_params=ref_params)
