@@ -3,7 +3,7 @@ what one rollout batch does (rl.ppo_epochs passes of rl.mini_batches steps).
 
 Dimension key: B sequences, T token positions, L MoE layers, k experts per token, M micro-batches.
 
-`_make_step` writes the step once for GRPO and SFT: micro-batch gradients (`lax.scan`, row i in micro-batch
+`build_step` writes the step once for GRPO and SFT: micro-batch gradients (`lax.scan`, row i in micro-batch
 i % M, so every micro-batch spans every data shard), the optional gradient projection, the optimizer update
 and the selection-bias update. It is jitted once per batch row count with the train state donated and
 `in_shardings` / `out_shardings` from the logical axes (`rl.train_state`).
@@ -128,9 +128,32 @@ def _split(x: jax.Array, axis: int, num_micro: int) -> jax.Array:
     return jnp.moveaxis(x, axis + 1, 0)
 
 
-def _make_step(cfg, graphdef, mesh, keys, loss_fn, units_fn, domains: tuple[str, ...] | None = None):
-    """The jitted step; with `domains` (rl.gradient_projection) `loss_fn` returns one loss per domain and
-    the step projects the domains' gradients (rl/projection.py) before the optimizer sees their sum."""
+def _objective(cfg, objective: str, mtp_weight: float):
+    """(loss_fn, units_fn, domains) of "grpo" (domains: rl.gradient_projection's, else None) or "sft"."""
+    if objective == "sft":
+        # The target of position t is token t + 1, counted where mask[:, t + 1]: micro-batches weigh by
+        # those. So does the MTP loss: depth k's targets are the same masked tokens less any at index <= k
+        # (none in a row that starts with a prompt of more than k tokens).
+        units = lambda mask_MBT: mask_MBT[:, :, 1:].sum(axis=(1, 2))  # noqa: E731
+        return functools.partial(losses.sft_loss, mtp_weight=float(mtp_weight)), units, None
+    units = lambda mask_MBT: losses.units_M(cfg.rl.loss.aggregation, mask_MBT)  # noqa: E731
+    if not cfg.rl.get("gradient_projection", False):
+        return losses.grpo_loss, units, None
+    domains = tuple(cfg.rl.domains)
+    split = functools.partial(losses.grpo_domain_losses, units_fn=units, num_domains=len(domains))
+    return split, units, domains
+
+
+@functools.lru_cache(maxsize=32)
+def build_step(
+    cfg, graphdef: nnx.GraphDef, mesh, keys: tuple[str, ...], objective: str, mtp_weight: float = 0.0
+):
+    """`step_fn(state, batch) -> (state, metrics)`: one optimizer update of `objective` ("grpo", "sft") over
+    `cfg = step_config(...)`, jitted once per batch row count with the state donated. Shared by every call
+    with the same arguments: a second main job in one process (a notebook's, a test worker's) neither
+    traces nor compiles it again. With rl.gradient_projection the GRPO loss is one per domain and the
+    domains' gradients are projected (rl/projection.py) before the optimizer sees their sum."""
+    loss_fn, units_fn, domains = _objective(cfg, objective, mtp_weight)
     num_micro = int(cfg.rl.micro_batches)
     if num_micro < 1:
         raise ValueError(f"rl.micro_batches={num_micro} must be >= 1")
@@ -282,23 +305,10 @@ def updates_per_batch(cfg: ml_collections.ConfigDict) -> int:
 
 
 def make_train_step(cfg: ml_collections.ConfigDict, graphdef, *, mesh: jax.sharding.Mesh | None = None):
-    """`step_fn(state, batch) -> (state, metrics)`: one GRPO update (see the module docstring). Shared by
-    every call with the same `step_config`, graph definition and mesh: a second main job in one process
-    (a notebook's, a test worker's) neither traces nor compiles it again."""
+    """`step_fn(state, batch) -> (state, metrics)`: one GRPO update (see the module docstring)."""
     grpo.validate_loss_config(cfg.rl.loss)
-    return _train_step(
-        step_config(cfg), train_state.as_model_def(graphdef).graphdef, mesh, grpo_batch_keys(cfg)
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def _train_step(cfg, graphdef: nnx.GraphDef, mesh, keys: tuple[str, ...]):
-    units = lambda mask_MBT: losses.units_M(cfg.rl.loss.aggregation, mask_MBT)
-    if not cfg.rl.get("gradient_projection", False):
-        return _make_step(cfg, graphdef, mesh, keys, losses.grpo_loss, units)
-    domains = tuple(cfg.rl.domains)
-    loss = functools.partial(losses.grpo_domain_losses, units_fn=units, num_domains=len(domains))
-    return _make_step(cfg, graphdef, mesh, keys, loss, units, domains)
+    model_graph = train_state.as_model_def(graphdef).graphdef
+    return build_step(step_config(cfg), model_graph, mesh, grpo_batch_keys(cfg), "grpo")
 
 
 def make_sft_step(
@@ -313,17 +323,8 @@ def make_sft_step(
     same state and optimizer as GRPO; routing is never replayed."""
     if mtp_weight and not cfg.model.mtp_layers:
         raise ValueError(f"mtp_weight={mtp_weight} needs MTP modules (model.mtp_layers > 0)")
-    return _sft_step(step_config(cfg), train_state.as_model_def(graphdef).graphdef, mesh, float(mtp_weight))
-
-
-@functools.lru_cache(maxsize=16)
-def _sft_step(cfg, graphdef: nnx.GraphDef, mesh, mtp_weight: float):
-    # The target of position t is token t + 1, counted where mask[:, t + 1]: micro-batches weigh by those.
-    # So does the MTP loss: depth k's targets are the same masked tokens less any at index <= k (none in a row
-    # that starts with a prompt of more than k tokens).
-    units = lambda mask_MBT: mask_MBT[:, :, 1:].sum(axis=(1, 2))
-    loss = functools.partial(losses.sft_loss, mtp_weight=float(mtp_weight))
-    return _make_step(cfg, graphdef, mesh, train_state.SFT_KEYS, loss, units)
+    model_graph = train_state.as_model_def(graphdef).graphdef
+    return build_step(step_config(cfg), model_graph, mesh, train_state.SFT_KEYS, "sft", float(mtp_weight))
 
 
 # The reference's `rest`: its selection biases are in its weights (`reference_weights`), not the ModelDef's.
