@@ -206,3 +206,30 @@ def _check_params(name: str, params, abstract) -> None:
             f"{name} do not match the model config (tree structure or (shape, dtype) differ: {bad}); "
             "pass the nnx.Param state of a model built from the same config."
         )
+
+
+DRAFTERS = (ModelDrafter, NgramDrafter, GroupDrafter, MTPDrafter)
+
+
+def check_drafter(draft, cfg: ml_collections.ConfigDict, engine_cfg) -> None:
+    """Raises what is wrong with `draft` (one of `DRAFTERS` or None) for an engine of `engine_cfg` over the
+    model `cfg`."""
+    if draft is not None and not isinstance(draft, DRAFTERS):
+        raise TypeError(
+            f"draft={draft!r} must be an inference.ModelDrafter, NgramDrafter, GroupDrafter, "
+            "MTPDrafter or None."
+        )
+    if isinstance(draft, MTPDrafter) and not cfg.model.mtp_layers:
+        raise ValueError(
+            "draft=MTPDrafter() needs a model with multi-token-prediction modules "
+            "(model.mtp_layers >= 1, DeepSeek-V3's num_nextn_predict_layers); this one has none."
+        )
+    vocab = cfg.model.vocab_size
+    if isinstance(draft, ModelDrafter) and draft.cfg.model.vocab_size != vocab:
+        raise ValueError(f"draft model vocab_size={draft.cfg.model.vocab_size} != target vocab_size={vocab}.")
+    if draft is not None and not isinstance(draft, ModelDrafter) and engine_cfg.decode_steps > 1:
+        raise ValueError(
+            f"engine.decode_steps={engine_cfg.decode_steps} must be 1 with a {type(draft).__name__} (its "
+            "proposals come from the host or the last step, one device call per speculative step); "
+            "multi-step calls are for plain decoding and a ModelDrafter."
+        )

@@ -40,64 +40,42 @@ from collections.abc import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from configs.engine import EngineConfig
-from inference import kv_pages, layout, routing, steps, weight_sync
+from inference import layout, routing, steps, weight_sync
+from inference import warmup as warmup_lib
+from inference.compiles import Counting
 from inference.completion import Completion
 from inference.drafters import (
     GroupDrafter,
     ModelDrafter,
     MTPDrafter,
-    NgramDrafter,
-    SampleGroup,
+    check_drafter,
     model_weights,
     split_weights,
 )
-from inference.sampling import SamplingParams, sampling_arrays
-from inference.scheduler import Scheduler, Seq, pow2
+from inference.sampling import SamplingParams
+from inference.scheduler import Emitted, Scheduler, Seq, StepPlan, budget, pow2
+from inference.score import score as score_rows
+from inference.weights import graph_config, weight_shardings
 from model import config as model_config
 
-# Lowerings (new executables, whether compiled or read from the persistent cache) in engine calls.
-_TLS = threading.local()
+__all__ = ["Engine", "EngineConfig", "graph_config", "weight_shardings"]
+# The engine's caches indexed by pool page (each a dict of page arrays, or None): the target's K/V (or MLA
+# latent) with the routing record, a ModelDrafter's K/V, the MTP drafter's. A page's contents are its slice
+# of every one of them, so the host tier and copy-on-write move them together.
+PAGED_CACHES = ("kv", "draft_kv", "mtp_kv")
 
 
-def _on_event(event: str, duration: float, **kwargs) -> None:
-    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and getattr(_TLS, "counter", None):
-        _TLS.counter[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-DRAFTERS = (ModelDrafter, NgramDrafter, GroupDrafter, MTPDrafter)
-
-
-def graph_config(cfg, engine_cfg: EngineConfig, mesh: jax.sharding.Mesh | None):
-    """The config an engine builds a model graph from: with a mesh, the inference rules; an MoE model's
-    `moe.every_expert_max_tokens` -1 becomes the decode and speculative steps' token count, max_batch x
-    (num_draft + 1): calls of up to that many tokens run every expert (longer prefill and scoring calls
-    dispatch)."""
-    out = cfg if mesh is None else layout.inference_config(cfg)
-    if out.model.moe.num_experts and out.model.moe.get("every_expert_max_tokens", -1) == -1:
-        out = ml_collections.ConfigDict(out).copy_and_resolve_references()
-        out.model.moe.every_expert_max_tokens = engine_cfg.max_batch * (engine_cfg.num_draft + 1)
-    return out
-
-
-def weight_shardings(cfg, engine_cfg: EngineConfig, mesh: jax.sharding.Mesh):
-    """Where an engine on `mesh` keeps the weights of the model `cfg` (its target's, or a draft model's):
-    the state `Engine(..., placed=True)` and `update_params(..., placed=True)` take as it is."""
-    _, abstract = split_weights(graph_config(cfg, engine_cfg, mesh))
-    return layout.weight_shardings(abstract, mesh, layout.inference_rules(tuple(cfg.mesh.rules)))
-
-
-class Engine(Scheduler):
+class Engine:
     """`Engine(cfg, params, engine_cfg, *, draft=None, mesh=None)`: see the module docstring. `draft` is
-    one of `DRAFTERS` or None. `mesh` (`model.sharding.make_mesh`): the engine's devices and the inference
-    layout (`inference.layout`); None keeps the weights where they are and the cache on their device."""
+    one of `inference.drafters.DRAFTERS` or None. `mesh` (`model.sharding.make_mesh`): the engine's devices
+    and the inference layout (`inference.layout`); None keeps the weights where they are and the cache on
+    their device.
+    `scheduler` (`inference.scheduler.Scheduler`) holds the sequences and pages and plans each step; the
+    engine holds the weights and caches and runs the device calls."""
 
     def __init__(
         self,
@@ -122,31 +100,12 @@ class Engine(Scheduler):
         self.params, _ = weight_sync.to_layout(params, self._weight_shardings, copy=not placed)
         self.version = 0
         self.vocab = cfg.model.vocab_size
-        if draft is not None and not isinstance(draft, DRAFTERS):
-            raise TypeError(
-                f"draft={draft!r} must be an inference.ModelDrafter, NgramDrafter, GroupDrafter, "
-                "MTPDrafter or None."
-            )
-        if isinstance(draft, MTPDrafter) and not cfg.model.mtp_layers:
-            raise ValueError(
-                "draft=MTPDrafter() needs a model with multi-token-prediction modules "
-                "(model.mtp_layers >= 1, DeepSeek-V3's num_nextn_predict_layers); this one has none."
-            )
-        if isinstance(draft, ModelDrafter) and draft.cfg.model.vocab_size != self.vocab:
-            raise ValueError(
-                f"draft model vocab_size={draft.cfg.model.vocab_size} != target vocab_size={self.vocab}."
-            )
-        if draft is not None and not isinstance(draft, ModelDrafter) and e.decode_steps > 1:
-            raise ValueError(
-                f"engine.decode_steps={e.decode_steps} must be 1 with a {type(draft).__name__} (its "
-                "proposals come from the host or the last step, one device call per speculative step); "
-                "multi-step calls are for plain decoding and a ModelDrafter."
-            )
+        check_drafter(draft, cfg, e)
         self.draft = draft
         self._resample_from = "residual"  # "p": the deliberately biased variant, for the tests only
-        self.pool = kv_pages.PagePool(e.pool_pages, e.page_size)
-        self.table = kv_pages.SequenceTable(self.pool, e.pages_per_seq)
-        self.prefix = kv_pages.PrefixCache(self.pool, e.page_size, e.prefix_pages, e.host_cache_pages)
+        self._stats = collections.Counter()
+        self.scheduler = Scheduler(e, self.vocab, self, self._stats)
+        self.pool, self.table, self.prefix = self.scheduler.pool, self.scheduler.table, self.scheduler.prefix
         dtype = e.cache_dtype or cfg.model.compute_dtype
         model = nnx.merge(self._graphdef, self.params)
         m = cfg.model
@@ -187,11 +146,6 @@ class Engine(Scheduler):
         # MTP drafter: (sequence id, start) whose next first draft each slot's carry holds, else None.
         self._carry_for: list[tuple[int, int] | None] = [None] * e.max_batch
         self._build_steps()
-        self._slots: list[Seq | None] = [None] * e.max_batch
-        self._queue: collections.deque[Seq] = collections.deque()
-        self._holders: dict[int, int] = {}  # request id -> sequence holding its context for queued samples
-        self._next_seq = self._next_request = self._admissions = 0
-        self._stats = collections.Counter()
         # step(): wall seconds inside it, and those spent blocked on the device's results (the rest is the
         # host's admission, page and bookkeeping work, which the device waits for between calls)
         self._seconds = {"step_s": 0.0, "device_wait_s": 0.0}
@@ -199,8 +153,6 @@ class Engine(Scheduler):
         self._warm_compiles: int | None = None
         self._lock = threading.RLock()  # one scheduler step, submit or weight swap at a time
         self._waiting: dict[int, list[Completion]] = {}  # request id -> completions, for `generate`
-        # GroupDrafter: request id -> its samples' index, kept until the request's last sample finishes.
-        self._groups: dict[int, SampleGroup] = {}
 
     # --- public API ------------------------------------------------------------------------------------
 
@@ -245,36 +197,23 @@ class Engine(Scheduler):
             )
         prompts = [[int(t) for t in prompt] for prompt in prompts]
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            self._check_prompt(i, prompt, p)  # all of them before queueing any
-        ids = []
+            self.scheduler.check(i, prompt, p)  # all of them before queueing any
+        group = self.draft.group if isinstance(self.draft, GroupDrafter) else None
         with self._lock:
-            return self._queue_requests(prompts, params, ids)
-
-    def _queue_requests(self, prompts, params, ids) -> list[int]:
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            rid = self._next_request
-            self._next_request += 1
-            ids.append(rid)
-            for s in range(p.n):
-                self._queue.append(Seq(self._next_seq, rid, i, s, p, prompt))
-                self._next_seq += 1
-            if isinstance(self.draft, GroupDrafter):
-                self._groups[rid] = self.draft.group(prompt, p.n)
-        return ids
+            return self.scheduler.add(prompts, params, group)
 
     def has_work(self) -> bool:
-        return bool(self._queue) or any(s is not None for s in self._slots)
+        return self.scheduler.has_work()
 
     def step(self) -> list[Completion]:
         """Admits what fits, runs one decode (or speculative) step; returns the finished completions
         (those of requests a `generate` call waits for are also handed to it)."""
         with self._counting():
             t0 = time.perf_counter()
-            self._admit()
-            active = [(b, s) for b, s in enumerate(self._slots) if s is not None]
-            if not active:
+            plan = self.scheduler.schedule(self._growth())
+            if plan is None:
                 return []
-            finished = self._spec_step(active) if self.draft is not None else self._decode_step(active)
+            finished = self._spec_step(plan) if self.draft is not None else self._decode_step(plan)
             done = self._complete(finished)
             for c in done:
                 if c.request_id in self._waiting:
@@ -293,20 +232,7 @@ class Engine(Scheduler):
         """Every unfinished sample of every submitted request as far as it got (running, queued or
         preempted; `finish_reason` ""): copies, for a driver that streams tokens between steps."""
         with self._lock:
-            seqs = [s for s in self._slots if s is not None] + list(self._queue)
-            return [
-                Completion(
-                    s.prompt_index,
-                    list(s.tokens),
-                    list(s.logprobs),
-                    "",
-                    s.sample,
-                    list(s.raw),
-                    list(s.versions),
-                    s.request_id,
-                )
-                for s in seqs
-            ]
+            return self.scheduler.in_flight()
 
     def cancel(self, request_id: int, samples: Collection[int] | None = None) -> int:
         """Drops the unfinished samples of a submitted request (all, or those in `samples`), queued or
@@ -314,23 +240,7 @@ class Engine(Scheduler):
         For `submit` / `step` drivers (a server whose client went away); a `generate` call must not wait on
         the request."""
         with self._lock:
-            hit = lambda s: s.request_id == request_id and (samples is None or s.sample in samples)
-            dropped = [s for s in self._queue if hit(s)]
-            self._queue = collections.deque(s for s in self._queue if not hit(s))
-            for b, s in enumerate(self._slots):
-                if s is not None and hit(s):
-                    dropped.append(s)
-                    self._slots[b] = None
-            for seq in dropped:
-                if seq.id in self.table:  # (a queued or preempted sequence holds no pages)
-                    self.table.free(seq.id)
-                group = self._groups.get(request_id)
-                if group is not None and group.finish():
-                    del self._groups[request_id]
-            if request_id in self._holders and not any(q.request_id == request_id for q in self._queue):
-                self.table.free(self._holders.pop(request_id))
-            self._stats["cancelled"] += len(dropped)
-            return len(dropped)
+            return self.scheduler.cancel(request_id, samples)
 
     def score(
         self,
@@ -340,31 +250,19 @@ class Engine(Scheduler):
     ) -> list[np.ndarray]:
         """Teacher-forced f32 log-probs of each completion's tokens from a plain forward pass (the trainer's
         model code): under `sampling`'s processing when given, else the raw softmax."""
-        if len(prompts) != len(completions):
-            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
         params = self._submitted_params(prompts, sampling)
-        rows = []
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            toks = list(c.tokens if isinstance(c, Completion) else c)
-            rows.append((i, [int(t) for t in p], toks))
-        out: list[np.ndarray | None] = [None] * len(rows)
-        by_len = sorted(rows, key=lambda r: len(r[1]) + len(r[2]))
+        e = self.ecfg
+        run = lambda tokens, arrays: self._score(self.params, tokens, arrays)
         with self._counting():
-            for start in range(0, len(by_len), self.ecfg.score_batch):
-                chunk = by_len[start : start + self.ecfg.score_batch]
-                t = max(self.ecfg.min_bucket, pow2(max(len(p) + len(c) for _, p, c in chunk)))
-                b = pow2(len(chunk))
-                tokens = np.zeros((b, t), np.int32)
-                for r, (_, p, c) in enumerate(chunk):
-                    tokens[r, : len(p) + len(c)] = p + c
-                arrays = sampling_arrays(
-                    [params[i] for i, _, _ in chunk] + [SamplingParams()] * (b - len(chunk))
-                )
-                processed, raw = jax.device_get(self._score(self.params, tokens, arrays))
-                chosen = processed if sampling is not None else raw
-                for r, (i, p, c) in enumerate(chunk):
-                    out[i] = chosen[r, len(p) : len(p) + len(c)]
-        return out
+            return score_rows(
+                run,
+                prompts,
+                completions,
+                params,
+                processed=sampling is not None,
+                batch=e.score_batch,
+                min_bucket=e.min_bucket,
+            )
 
     def update_params(self, params, *, send: Sequence[bool] | None = None, placed: bool = False) -> int:
         """Swaps in new weights (same tree, shapes, dtypes: no recompile); bumps and returns the policy
@@ -411,53 +309,8 @@ class Engine(Scheduler):
         """Compiles every shape `step` can use (prefill buckets, decode / speculative step, page copies,
         host-tier moves) and the scoring buckets for `score_lengths`; later calls never compile
         (`stats()["compiles_after_warmup"]`)."""
-        e = self.ecfg
         with self._counting():
-            zeros = lambda *shape: np.zeros(shape, np.int32)
-            t, longest = e.min_bucket, self.longest_prefill_bucket()
-            while t <= longest:
-                b = e.min_prefill_batch
-                while b <= e.prefill_batch:
-                    self._run_prefill(zeros(b, t), zeros(b, t), zeros(b, e.pages_per_seq), zeros(b), zeros(b))
-                    b *= 2
-                t *= 2
-            self._apply_copies([])
-            rows = e.max_batch
-            arrays = sampling_arrays([SamplingParams()] * rows)
-            keys = tuple(zeros(rows) for _ in range(4))
-            table = zeros(rows, e.pages_per_seq)
-            dummy = steps.Rows(zeros(rows), table, zeros(rows), zeros(rows), arrays, keys)
-            stop_BS = np.full((rows, e.max_stop_tokens), -1, np.int32)
-            if self._spec_many is not None:
-                self.kv, self.draft_kv, *_ = self._spec_many(
-                    self.params, self.draft_params, self.kv, self.draft_kv, dummy, stop_BS, zeros(rows)
-                )
-            elif self._decode_many is not None:
-                self.kv, *_ = self._decode_many(self.params, self.kv, dummy, stop_BS, zeros(rows))
-            elif self.draft is None:
-                self.kv, *_ = self._decode(self.params, self.kv, dummy)
-            else:
-                self._run_spec(dummy, zeros(rows, e.num_draft), zeros(rows))
-            if "experts" in self.kv:
-                n = 1
-                while n <= pow2(e.max_batch * e.pages_per_seq):
-                    routing.gather(self.kv["experts"], [kv_pages.NULL_PAGE] * n)
-                    n *= 2
-            if e.host_cache_pages:  # the host tier's gather and scatter, at every page-count bucket
-                n = 1
-                while n <= pow2(e.pages_per_seq):
-                    pages = [kv_pages.NULL_PAGE] * n
-                    host = kv_pages.gather_pages(self._page_arrays(), pages)
-                    self._set_page_arrays(kv_pages.scatter_pages(self._page_arrays(), pages, host))
-                    n *= 2
-            for length in score_lengths:
-                b = 1
-                while b <= e.score_batch:
-                    self.score([[0]] * b, [[0] * max(length - 1, 1)] * b)
-                    b *= 2
-            self.params, _ = weight_sync.to_layout(self.params, self._weight_shardings)
-            if self.draft_params is not None:
-                self.draft_params, _ = weight_sync.to_layout(self.draft_params, self._draft_shardings)
+            warmup_lib.run_every_shape(self, score_lengths)
         jax.block_until_ready(self.kv)
         self._warm_compiles = self._compiles[0]
 
@@ -473,91 +326,57 @@ class Engine(Scheduler):
         s["policy_version"] = self.version
         s["prefix_cache"] = self.prefix.stats()
         s["free_pages"] = self.pool.num_free
-        s["running"] = self._num_active()  # sequences in decode slots
-        s["queued"] = len(self._queue)  # sequences waiting for a slot (preempted ones included)
+        s["running"] = self.scheduler.num_active()  # sequences in decode slots
+        s["queued"] = len(self.scheduler.queue)  # sequences waiting for a slot (preempted ones included)
         return s
 
-    # --- scheduling ------------------------------------------------------------------------------------
+    # --- one step ------------------------------------------------------------------------------------
 
-    def _check_prompt(self, i: int, prompt: list[int], p: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token (e.g. a BOS id).")
-        bad = [t for t in prompt if not 0 <= t < self.vocab]
-        if bad:
-            raise ValueError(
-                f"prompts[{i}] has token ids {bad[:5]} outside the vocabulary [0, {self.vocab})."
-            )
-        if len(prompt) + p.max_new_tokens > self.ecfg.max_seq_len:
-            raise ValueError(
-                f"prompts[{i}]: {len(prompt)} prompt tokens + max_new_tokens={p.max_new_tokens} exceed "
-                f"engine.max_seq_len={self.ecfg.max_seq_len}; raise max_seq_len or lower max_new_tokens."
-            )
-        if any(not 0 <= t < self.vocab for t in p.stop_tokens):
-            raise ValueError(f"stop_tokens={p.stop_tokens} must be ids in [0, {self.vocab}).")
-        if self.ecfg.decode_steps > 1 and len(p.stop_tokens) > self.ecfg.max_stop_tokens:
-            raise ValueError(
-                f"prompts[{i}]: {len(p.stop_tokens)} stop_tokens, more than engine.max_stop_tokens="
-                f"{self.ecfg.max_stop_tokens} (the device checks that many with engine.decode_steps > 1); "
-                "raise max_stop_tokens."
-            )
+    def _growth(self):
+        """The positions each running sequence reserves for this step: one decode step's 1, a speculative
+        step's num_draft + 1, or for a call of several steps the tokens it may still emit plus the
+        num_draft positions a last speculative step writes past them."""
+        if self._spec_many is not None or self._decode_many is not None:
+            most, extra = self._many
+            return lambda seq: budget(seq, most) + extra
+        return 1 if self.draft is None else self.ecfg.num_draft + 1
 
-    def _decode_step(self, active) -> list[Seq]:
+    @property
+    def _many(self) -> tuple[int, int]:
+        """(most tokens a row emits, positions written past them) of a call of several steps."""
+        e = self.ecfg
+        if self._spec_many is not None:
+            return e.decode_steps * (e.num_draft + 1), e.num_draft
+        return e.decode_steps, 0
+
+    def _decode_step(self, plan: StepPlan) -> list[Seq]:
         if self._decode_many is not None:
-            return self._decode_many_step(active)
-        active = self._grow(active, 1)
-        self.kv, nxt, logp, raw = self._decode(self.params, self.kv, self._rows(active))
+            return self._decode_many_step(plan)
+        self.kv, nxt, logp, raw = self._decode(self.params, self.kv, plan.rows)
         nxt, logp, raw = self._results((nxt, logp, raw))
-        self._stats["target_row_forwards"] += len(active)
+        self._stats["target_row_forwards"] += len(plan.active)
         self._stats["decode_steps"] += 1
-        return [seq for b, seq in active if self._emit(seq, [nxt[b]], [logp[b]], [raw[b]])]
+        return self.scheduler.update(plan, Emitted(nxt[:, None], logp[:, None], raw[:, None]), self.version)
 
-    def _decode_many_step(self, active) -> list[Seq]:
+    def _decode_many_step(self, plan: StepPlan) -> list[Seq]:
         """Up to decode_steps tokens per row in one call (`steps.decode_many`)."""
-        active, rows, stop_BS, budget_B = self._many_rows(active, self.ecfg.decode_steps, extra=0)
-        self.kv, *out = self._decode_many(self.params, self.kv, rows, stop_BS, budget_B)
+        stop_BS, budget_B = self.scheduler.budgets(plan, self._many[0])
+        self.kv, *out = self._decode_many(self.params, self.kv, plan.rows, stop_BS, budget_B)
         tokens, logp, raw, count = self._results(out)
         self._stats["target_row_forwards"] += int(count.sum())
         self._stats["decode_steps"] += int(count.max(initial=0))
         self._stats["decode_calls"] += 1
-        return self._emit_counted(active, rows, tokens, logp, raw, count)
-
-    def _many_rows(self, active, most: int, extra: int):
-        """For a call of several steps: each row reserves pages for the tokens it may still emit (at most
-        `most`, its budget) plus `extra` positions a last step writes past them; returns (the rows still
-        active, their `Rows`, stop_BS padded with -1, budget_B)."""
-        e = self.ecfg
-        budget = lambda seq: min(most, seq.params.max_new_tokens - len(seq.tokens))
-        active = self._grow(active, lambda seq: budget(seq) + extra)
-        stop_BS = np.full((e.max_batch, e.max_stop_tokens), -1, np.int32)
-        budget_B = np.zeros(e.max_batch, np.int32)
-        for b, seq in active:
-            stop_BS[b, : len(seq.params.stop_tokens)] = seq.params.stop_tokens
-            budget_B[b] = budget(seq)
-        return active, self._rows(active), stop_BS, budget_B
-
-    def _emit_counted(self, active, rows: steps.Rows, tokens, logp, raw, count) -> list[Seq]:
-        """Emits the first count[b] tokens of each row of a several-step call; a row that goes on gives back
-        the reserved positions it did not use. Returns the finished sequences."""
-        finished = []
-        for b, seq in active:
-            c = int(count[b])
-            if self._emit(seq, tokens[b, :c], logp[b, :c], raw[b, :c]):
-                finished.append(seq)
-            else:
-                self.table.truncate(seq.id, int(rows.start_B[b]) + c)
-        return finished
+        return self.scheduler.update(plan, Emitted(tokens, logp, raw, count, "unfinished"), self.version)
 
     def _propose(self, seq: Seq, k: int) -> list[int]:
         if isinstance(self.draft, GroupDrafter):
-            return self._groups[seq.request_id].propose(seq.sample, k)
+            return self.scheduler.groups[seq.request_id].propose(seq.sample, k)
         return self.draft.propose(seq.prompt + seq.tokens, k)
 
-    def _spec_step(self, active) -> list[Seq]:
+    def _spec_step(self, plan: StepPlan) -> list[Seq]:
         if self._spec_many is not None:
-            return self._spec_many_step(active)
-        k = self.ecfg.num_draft
-        active = self._grow(active, k + 1)
-        rows = self._rows(active)
+            return self._spec_many_step(plan)
+        k, active, rows = self.ecfg.num_draft, plan.active, plan.rows
         draft = np.zeros((self.ecfg.max_batch, k), np.int32)
         num_draft = np.zeros(self.ecfg.max_batch, np.int32)
         if isinstance(self.draft, ModelDrafter):
@@ -572,25 +391,21 @@ class Engine(Scheduler):
         accepted, out, logp, raw = self._results(self._run_spec(rows, draft, num_draft))
         self._stats["target_row_forwards"] += len(active)
         self._stats["spec_steps"] += 1
-        finished = []
         self._carry_for = [None] * self.ecfg.max_batch
         for b, seq in active:
             a = int(accepted[b])
             self._carry_for[b] = (seq.id, int(rows.start_B[b]) + a + 1)
             self._stats["proposed_tokens"] += int(num_draft[b])
             self._stats["accepted_tokens"] += a
-            self.table.truncate(seq.id, int(rows.start_B[b]) + a + 1)
-            if self._emit(seq, out[b, : a + 1], logp[b, : a + 1], raw[b, : a + 1]):
-                finished.append(seq)
-        return finished
+        return self.scheduler.update(plan, Emitted(out, logp, raw, accepted + 1, "always"), self.version)
 
-    def _spec_many_step(self, active) -> list[Seq]:
+    def _spec_many_step(self, plan: StepPlan) -> list[Seq]:
         """Up to decode_steps speculative steps per row in one call (`steps.speculative_model_many`); a step
         writes num_draft positions past the last token it may emit, so those are reserved too."""
         k = self.ecfg.num_draft
-        active, rows, stop_BS, budget_B = self._many_rows(active, self.ecfg.decode_steps * (k + 1), extra=k)
+        stop_BS, budget_B = self.scheduler.budgets(plan, self._many[0])
         self.kv, self.draft_kv, *out = self._spec_many(
-            self.params, self.draft_params, self.kv, self.draft_kv, rows, stop_BS, budget_B
+            self.params, self.draft_params, self.kv, self.draft_kv, plan.rows, stop_BS, budget_B
         )
         tokens, logp, raw, count, accepted, steps_run = self._results(out)
         self._stats["target_row_forwards"] += int(steps_run.sum())
@@ -598,36 +413,11 @@ class Engine(Scheduler):
         self._stats["spec_calls"] += 1
         self._stats["proposed_tokens"] += k * int(steps_run.sum())
         self._stats["accepted_tokens"] += int(accepted.sum())
-        return self._emit_counted(active, rows, tokens, logp, raw, count)
-
-    def _emit(self, seq: Seq, tokens, logps, raws) -> bool:
-        """Appends emitted tokens up to a stop token or max_new_tokens; True when the sequence finished (it
-        leaves its slot; `_complete` frees its pages)."""
-        p, reason, before = seq.params, None, len(seq.tokens)
-        for tok, lp, raw in zip(tokens, logps, raws):
-            seq.tokens.append(int(tok))
-            seq.logprobs.append(float(lp))
-            seq.raw.append(float(raw))
-            seq.versions.append(self.version)
-            self._stats["generated_tokens"] += 1
-            if int(tok) in p.stop_tokens:
-                reason = "stop"
-            elif len(seq.tokens) >= p.max_new_tokens:
-                reason = "length"
-            if reason:
-                break
-        group = self._groups.get(seq.request_id)
-        if group is not None:
-            group.append(seq.sample, seq.tokens[before:])
-        if reason is None:
-            return False
-        seq.finish_reason = reason
-        self._slots[self._slots.index(seq)] = None
-        return True
+        return self.scheduler.update(plan, Emitted(tokens, logp, raw, count, "unfinished"), self.version)
 
     def _complete(self, finished: list[Seq]) -> list[Completion]:
         """Completions of the sequences that finished this step: reads their routing records (one device
-        read for all) before their pages are freed; drops a request's group index after its last sample."""
+        read for all) before their pages are freed."""
         records = [None] * len(finished)
         if self.ecfg.record_routing:
             lengths = [len(seq.prompt) + len(seq.tokens) for seq in finished]
@@ -638,11 +428,7 @@ class Engine(Scheduler):
                 records = [routing.empty(n, self.cfg.model.moe.top_k) for n in lengths]
         out = []
         for seq, record in zip(finished, records):
-            self.table.free(seq.id)
-            self._stats["completions"] += 1
-            group = self._groups.get(seq.request_id)
-            if group is not None and group.finish():
-                del self._groups[seq.request_id]
+            self.scheduler.release(seq)
             out.append(
                 Completion(
                     seq.prompt_index,
@@ -657,6 +443,26 @@ class Engine(Scheduler):
                 )
             )
         return out
+
+    # --- page arrays (the scheduler's device side) -------------------------------------------------------
+
+    def offload_prefix(self, n: int) -> int:
+        """Moves up to n idle prefix-cache blocks (least recently used first) to the host tier, every page
+        array of each (`PAGED_CACHES`), and frees their device pages; returns how many it moved. A later
+        prompt with that prefix reloads them. Needs `EngineConfig.host_cache_pages` > 0."""
+        if not self.ecfg.host_cache_pages:
+            raise ValueError("offload_prefix needs engine.host_cache_pages > 0 (the host tier is off)")
+        return self.prefix.offload_lru(n, self._page_arrays())
+
+    def _page_arrays(self) -> dict:
+        """Every device array indexed by pool page, as 'cache/name' -> array (`PAGED_CACHES`)."""
+        caches = ((c, getattr(self, c)) for c in PAGED_CACHES)
+        return {f"{c}/{name}": a for c, tree in caches if tree is not None for name, a in tree.items()}
+
+    def _set_page_arrays(self, arrays: dict) -> None:
+        for key, a in arrays.items():
+            cache, name = key.split("/")
+            getattr(self, cache)[name] = a
 
     # --- device calls ----------------------------------------------------------------------------------
 
@@ -776,20 +582,4 @@ class Engine(Scheduler):
         return out
 
     def _counting(self):
-        return _Counting(self._compiles, self._lock)
-
-
-class _Counting:
-    """Holds the engine lock and counts lowerings in this thread while inside an engine call."""
-
-    def __init__(self, counter: list[int], lock: threading.RLock):
-        self.counter, self.lock = counter, lock
-
-    def __enter__(self):
-        self.lock.acquire()
-        self.saved = getattr(_TLS, "counter", None)
-        _TLS.counter = self.counter
-
-    def __exit__(self, *exc):
-        _TLS.counter = self.saved
-        self.lock.release()
+        return Counting(self._compiles, self._lock)

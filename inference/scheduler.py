@@ -1,8 +1,11 @@
 """Scheduling of the engine's sequences: admission, prefix reuse, chunked prefill, page growth, preemption.
 
-`Scheduler` is the part of `inference.Engine` that decides which sequences run and keeps their pages: it
-reads and writes the engine's page table, prefix cache, queue and decode slots, and calls its device steps
-(`_run_prefill`, `_apply_copies`).
+`Scheduler` holds the sequences of `inference.Engine` (queue, decode slots, page table, prefix cache) and
+decides what runs, as vLLM's v1 engine splits it: `schedule(grow) -> StepPlan` admits what fits (prefilling
+it through the engine), reserves the pages the step writes and gives the rows to run; the engine runs its
+device step and hands the tokens back with `update(plan, Emitted) -> finished sequences`. The engine is the
+scheduler's `device`: it runs the prefill calls and page copies (`_run_prefill`, `_apply_copies`) and owns
+the page arrays (`_page_arrays`, `_set_page_arrays`, `offload_prefix`).
 
 A sequence is its context (tokens whose K/V are in its pages) plus one pending token. A new request's context
 is its prompt without the last token: the longest page-aligned prefix of it already in the prefix cache is
@@ -17,18 +20,19 @@ queue with its generated tokens, to be re-prefilled (mostly from the prefix cach
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from configs.engine import EngineConfig
 from inference import kv_pages, steps
+from inference.completion import Completion
 from inference.sampling import SamplingParams, sampling_arrays
 
 _NO_RELOAD = kv_pages.HostReload([], None)
-# The engine's caches indexed by pool page (each a dict of page arrays, or None): the target's K/V (or MLA
-# latent) with the routing record, a ModelDrafter's K/V, the MTP drafter's. A page's contents are its slice
-# of every one of them, so the host tier and copy-on-write move them together.
-PAGED_CACHES = ("kv", "draft_kv", "mtp_kv")
 
 
 def pow2(n: int) -> int:
@@ -63,25 +67,209 @@ class Seq:
         return (self.prompt + self.tokens)[:-1]
 
 
+@dataclasses.dataclass
+class StepPlan:
+    """What one engine step runs: the (decode slot, sequence) rows, each with the pages it writes reserved,
+    and their per-slot arrays (`steps.Rows`: pending tokens, page tables, starts, sampling, keys)."""
+
+    active: list[tuple[int, Seq]]
+    rows: steps.Rows
+
+
+class Emitted(NamedTuple):
+    """A device step's tokens for `Scheduler.update`, rows by decode slot: tokens_BW with their processed
+    and raw log-probs; `count_B` the tokens of each row that count (None: all W). `truncate`: the row's
+    pages past its start + count go back, "always" (a speculative step's rejected positions, before the
+    tokens are emitted), "unfinished" (the unused reservations of a row that goes on) or None."""
+
+    tokens_BW: Any
+    logp_BW: Any
+    raw_BW: Any
+    count_B: Any = None
+    truncate: str | None = None
+
+
 class Scheduler:
-    """Admission, prefill and page growth of `inference.Engine` (a base class: see the module docstring)."""
+    """`Scheduler(engine_cfg, vocab, device, stats)`: see the module docstring. `stats` is the engine's
+    counter, which it adds to (prefill tokens and calls, preemptions, generated tokens, completions)."""
+
+    def __init__(self, engine_cfg: EngineConfig, vocab: int, device, stats: collections.Counter):
+        e = self.ecfg = engine_cfg
+        self.vocab, self.device, self._stats = vocab, device, stats
+        self.pool = kv_pages.PagePool(e.pool_pages, e.page_size)
+        self.table = kv_pages.SequenceTable(self.pool, e.pages_per_seq)
+        self.prefix = kv_pages.PrefixCache(self.pool, e.page_size, e.prefix_pages, e.host_cache_pages)
+        self.slots: list[Seq | None] = [None] * e.max_batch
+        self.queue: collections.deque[Seq] = collections.deque()
+        self._holders: dict[int, int] = {}  # request id -> sequence holding its context for queued samples
+        self._next_seq = self._next_request = self._admissions = 0
+        # GroupDrafter: request id -> its samples' index, kept until the request's last sample finishes.
+        self.groups: dict[int, Any] = {}
+
+    # --- requests --------------------------------------------------------------------------------------
+
+    def check(self, i: int, prompt: list[int], p: SamplingParams) -> None:
+        """Raises a ValueError naming what is wrong with `prompts[i]` under `p`."""
+        if not prompt:
+            raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token (e.g. a BOS id).")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise ValueError(
+                f"prompts[{i}] has token ids {bad[:5]} outside the vocabulary [0, {self.vocab})."
+            )
+        if len(prompt) + p.max_new_tokens > self.ecfg.max_seq_len:
+            raise ValueError(
+                f"prompts[{i}]: {len(prompt)} prompt tokens + max_new_tokens={p.max_new_tokens} exceed "
+                f"engine.max_seq_len={self.ecfg.max_seq_len}; raise max_seq_len or lower max_new_tokens."
+            )
+        if any(not 0 <= t < self.vocab for t in p.stop_tokens):
+            raise ValueError(f"stop_tokens={p.stop_tokens} must be ids in [0, {self.vocab}).")
+        if self.ecfg.decode_steps > 1 and len(p.stop_tokens) > self.ecfg.max_stop_tokens:
+            raise ValueError(
+                f"prompts[{i}]: {len(p.stop_tokens)} stop_tokens, more than engine.max_stop_tokens="
+                f"{self.ecfg.max_stop_tokens} (the device checks that many with engine.decode_steps > 1); "
+                "raise max_stop_tokens."
+            )
+
+    def add(self, prompts, params, group: Callable | None = None) -> list[int]:
+        """Queues p.n samples of each prompt; returns one request id per prompt. `group(prompt, n)`: the
+        GroupDrafter's index of a request's samples."""
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = self._next_request
+            self._next_request += 1
+            ids.append(rid)
+            for s in range(p.n):
+                self.queue.append(Seq(self._next_seq, rid, i, s, p, prompt))
+                self._next_seq += 1
+            if group is not None:
+                self.groups[rid] = group(prompt, p.n)
+        return ids
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(s is not None for s in self.slots)
+
+    def in_flight(self) -> list[Completion]:
+        """Every unfinished sample as far as it got (`Engine.in_flight`)."""
+        seqs = [s for s in self.slots if s is not None] + list(self.queue)
+        return [
+            Completion(
+                s.prompt_index,
+                list(s.tokens),
+                list(s.logprobs),
+                "",
+                s.sample,
+                list(s.raw),
+                list(s.versions),
+                s.request_id,
+            )
+            for s in seqs
+        ]
+
+    def cancel(self, request_id: int, samples: Collection[int] | None = None) -> int:
+        """Drops the unfinished samples of a request and frees their pages (`Engine.cancel`)."""
+        hit = lambda s: s.request_id == request_id and (samples is None or s.sample in samples)
+        dropped = [s for s in self.queue if hit(s)]
+        self.queue = collections.deque(s for s in self.queue if not hit(s))
+        for b, s in enumerate(self.slots):
+            if s is not None and hit(s):
+                dropped.append(s)
+                self.slots[b] = None
+        for seq in dropped:
+            if seq.id in self.table:  # (a queued or preempted sequence holds no pages)
+                self.table.free(seq.id)
+            group = self.groups.get(request_id)
+            if group is not None and group.finish():
+                del self.groups[request_id]
+        if request_id in self._holders and not any(q.request_id == request_id for q in self.queue):
+            self.table.free(self._holders.pop(request_id))
+        self._stats["cancelled"] += len(dropped)
+        return len(dropped)
+
+    # --- one step --------------------------------------------------------------------------------------
+
+    def schedule(self, grow) -> StepPlan | None:
+        """Admits what fits, then reserves `grow` more positions for each running sequence (an int, or a
+        function of the sequence), preempting the youngest when out of pages. None: nothing runs."""
+        self._admit()
+        active = [(b, s) for b, s in enumerate(self.slots) if s is not None]
+        if not active:
+            return None
+        active = self._grow(active, grow)
+        return StepPlan(active, self._rows(active))
+
+    def budgets(self, plan: StepPlan, most: int):
+        """For a call of several steps: (stop_BS padded with -1, budget_B), each row's budget the tokens it
+        may still emit, at most `most`."""
+        e = self.ecfg
+        stop_BS = np.full((e.max_batch, e.max_stop_tokens), -1, np.int32)
+        budget_B = np.zeros(e.max_batch, np.int32)
+        for b, seq in plan.active:
+            stop_BS[b, : len(seq.params.stop_tokens)] = seq.params.stop_tokens
+            budget_B[b] = budget(seq, most)
+        return stop_BS, budget_B
+
+    def update(self, plan: StepPlan, out: Emitted, version: int) -> list[Seq]:
+        """Emits each row's tokens (sampled under policy `version`) up to a stop token or max_new_tokens;
+        returns the sequences that finished (out of their slots; `release` frees their pages)."""
+        finished = []
+        for b, seq in plan.active:
+            c = out.tokens_BW.shape[1] if out.count_B is None else int(out.count_B[b])
+            if out.truncate == "always":
+                self.table.truncate(seq.id, int(plan.rows.start_B[b]) + c)
+            if self._emit(seq, out.tokens_BW[b, :c], out.logp_BW[b, :c], out.raw_BW[b, :c], version):
+                finished.append(seq)
+            elif out.truncate == "unfinished":
+                self.table.truncate(seq.id, int(plan.rows.start_B[b]) + c)
+        return finished
+
+    def release(self, seq: Seq) -> None:
+        """Frees a finished sequence's pages; drops its request's group index after the last sample."""
+        self.table.free(seq.id)
+        self._stats["completions"] += 1
+        group = self.groups.get(seq.request_id)
+        if group is not None and group.finish():
+            del self.groups[seq.request_id]
+
+    def _emit(self, seq: Seq, tokens, logps, raws, version: int) -> bool:
+        p, reason, before = seq.params, None, len(seq.tokens)
+        for tok, lp, raw in zip(tokens, logps, raws):
+            seq.tokens.append(int(tok))
+            seq.logprobs.append(float(lp))
+            seq.raw.append(float(raw))
+            seq.versions.append(version)
+            self._stats["generated_tokens"] += 1
+            if int(tok) in p.stop_tokens:
+                reason = "stop"
+            elif len(seq.tokens) >= p.max_new_tokens:
+                reason = "length"
+            if reason:
+                break
+        group = self.groups.get(seq.request_id)
+        if group is not None:
+            group.append(seq.sample, seq.tokens[before:])
+        if reason is None:
+            return False
+        seq.finish_reason = reason
+        self.slots[self.slots.index(seq)] = None
+        return True
 
     def _admit(self) -> None:
         e = self.ecfg
-        free = [b for b, s in enumerate(self._slots) if s is None]
+        free = [b for b, s in enumerate(self.slots) if s is None]
         if e.scheduler == "static" and len(free) < e.max_batch:
             return
         jobs = []
-        while free and self._queue:
-            leader = self._queue[0]
+        while free and self.queue:
+            leader = self.queue[0]
             group = [leader]
-            for seq in list(self._queue)[1 : len(free)]:
+            for seq in list(self.queue)[1 : len(free)]:
                 if seq.request_id != leader.request_id or seq.tokens or leader.tokens:
                     break
                 group.append(seq)
             context = leader.context
             need = -(-len(context) // e.page_size) + len(group)
-            if self.pool.num_free + self.prefix.reclaimable() < need and (jobs or self._num_active()):
+            if self.pool.num_free + self.prefix.reclaimable() < need and (jobs or self.num_active()):
                 break
             donor = None if leader.tokens else self._holders.get(leader.request_id)
             try:
@@ -92,7 +280,7 @@ class Scheduler:
                 else:
                     start = self._start(leader, context)
             except kv_pages.OutOfPages:
-                if jobs or self._num_active():
+                if jobs or self.num_active():
                     break
                 raise RuntimeError(
                     f"engine.num_pages={e.pool_pages} cannot hold one sequence of {len(context)} tokens; "
@@ -101,31 +289,31 @@ class Scheduler:
             for seq in group[1:]:
                 self.table.fork(leader.id, seq.id)
             for seq in group:
-                self._queue.popleft()
+                self.queue.popleft()
                 seq.admitted = self._admissions
                 self._admissions += 1
-                self._slots[free.pop(0)] = seq
+                self.slots[free.pop(0)] = seq
             jobs.append((leader, start, context))
-            queued = any(q.request_id == leader.request_id and not q.tokens for q in self._queue)
+            queued = any(q.request_id == leader.request_id and not q.tokens for q in self.queue)
             if queued and leader.request_id not in self._holders:
                 # Samples still waiting for a slot: keep the context pages until the last one is admitted.
                 self._holders[leader.request_id] = holder = self._next_seq
                 self._next_seq += 1
                 self.table.fork(leader.id, holder)
-        for rid in [r for r in self._holders if not any(q.request_id == r for q in self._queue)]:
+        for rid in [r for r in self._holders if not any(q.request_id == r for q in self.queue)]:
             self.table.free(self._holders.pop(rid))
         if jobs:
             self._prefill(jobs)
 
-    def _num_active(self) -> int:
-        return sum(s is not None for s in self._slots)
+    def num_active(self) -> int:
+        return sum(s is not None for s in self.slots)
 
     def _start(self, seq: Seq, context: list[int]) -> int:
         """New sequence over the cached prefix of `context`; reserves pages for the rest. Returns the
         number of context tokens already cached."""
         hit = self.prefix.lookup(context) if self.ecfg.prefix_pages else kv_pages.PrefixHit([], 0, _NO_RELOAD)
         if hit.reload.pages:
-            self._set_page_arrays(hit.reload.apply(self._page_arrays()))
+            self.device._set_page_arrays(hit.reload.apply(self.device._page_arrays()))
         self.table.new(seq.id, hit.pages, hit.num_tokens)
         try:
             self.table.append_tokens(seq.id, len(context) - hit.num_tokens)
@@ -152,7 +340,7 @@ class Scheduler:
                 next_tokens[r, :n] = (context + [seq.pending])[start + 1 : start + n + 1]
                 table[r] = self.table.page_table([seq.id])[0]
                 start_B[r], num_B[r] = start, n
-            self._run_prefill(tokens, next_tokens, table, start_B, num_B)
+            self.device._run_prefill(tokens, next_tokens, table, start_B, num_B)
             self._stats["prefill_calls"] += 1
             for r, w in enumerate(batch):
                 w[1] += int(num_B[r])
@@ -167,25 +355,7 @@ class Scheduler:
             return
         want = self.ecfg.max_batch - self.pool.num_free
         if want > 0:
-            self.offload_prefix(min(pow2(want), pow2(self.ecfg.pages_per_seq)))
-
-    def offload_prefix(self, n: int) -> int:
-        """Moves up to n idle prefix-cache blocks (least recently used first) to the host tier, every page
-        array of each (`PAGED_CACHES`), and frees their device pages; returns how many it moved. A later
-        prompt with that prefix reloads them. Needs `EngineConfig.host_cache_pages` > 0."""
-        if not self.ecfg.host_cache_pages:
-            raise ValueError("offload_prefix needs engine.host_cache_pages > 0 (the host tier is off)")
-        return self.prefix.offload_lru(n, self._page_arrays())
-
-    def _page_arrays(self) -> dict:
-        """Every device array indexed by pool page, as 'cache/name' -> array (`PAGED_CACHES`)."""
-        caches = ((c, getattr(self, c)) for c in PAGED_CACHES)
-        return {f"{c}/{name}": a for c, tree in caches if tree is not None for name, a in tree.items()}
-
-    def _set_page_arrays(self, arrays: dict) -> None:
-        for key, a in arrays.items():
-            cache, name = key.split("/")
-            getattr(self, cache)[name] = a
+            self.device.offload_prefix(min(pow2(want), pow2(self.ecfg.pages_per_seq)))
 
     def _grow(self, active: list[tuple[int, Seq]], n) -> list[tuple[int, Seq]]:
         """Reserves n more slots for each active sequence (`n` an int, or a function of the sequence),
@@ -193,26 +363,26 @@ class Scheduler:
         still active."""
         copies, grown = {}, []
         for b, seq in sorted(active, key=lambda a: a[1].admitted):
-            while seq in self._slots:  # (a sequence preempted for an older one is skipped)
+            while seq in self.slots:  # (a sequence preempted for an older one is skipped)
                 try:
                     grow = n if isinstance(n, int) else n(seq)
                     copies[seq.id] = self.table.append_tokens(seq.id, grow).copies
                     grown.append((b, seq))
                     break
                 except kv_pages.OutOfPages:
-                    victim = max((s for s in self._slots if s is not None), key=lambda s: s.admitted)
+                    victim = max((s for s in self.slots if s is not None), key=lambda s: s.admitted)
                     self._preempt(victim)
                     grown = [(bb, s) for bb, s in grown if s is not victim]
                     if victim is seq:
                         break
         # A preempted sequence's copies are dropped: its pages may already belong to someone else.
-        self._apply_copies([c for _, seq in grown for c in copies[seq.id]])
+        self.device._apply_copies([c for _, seq in grown for c in copies[seq.id]])
         return sorted(grown)
 
     def _preempt(self, seq: Seq) -> None:
         self.table.free(seq.id)
-        self._slots[self._slots.index(seq)] = None
-        self._queue.appendleft(seq)
+        self.slots[self.slots.index(seq)] = None
+        self.queue.appendleft(seq)
         self._stats["preemptions"] += 1
 
     def _rows(self, active):
@@ -236,3 +406,8 @@ class Scheduler:
             )
             params[b] = seq.params
         return steps.Rows(tokens, table, start, act, sampling_arrays(params), (seed, req, sample, stepi))
+
+
+def budget(seq: Seq, most: int) -> int:
+    """The tokens `seq` may still emit in a call of at most `most`."""
+    return min(most, seq.params.max_new_tokens - len(seq.tokens))

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from configs.schema import ConfigError
 from inference import GroupDrafter, ModelDrafter, MTPDrafter, NgramDrafter
-from inference import engine as engine_lib
+from inference import weights as inference_weights
 from inference.drafters import model_weights
 from inference.weight_sync import WeightSync, moved_bytes
 from model.sharding import make_mesh
@@ -88,7 +88,7 @@ class Layout:
         mesh=self.mesh, placed=self.placed)` to be built with `engine_cfg` (`to_engine`)."""
         if not self.placed:
             return weights
-        return self.to_engine(weights, engine_lib.weight_shardings(model_cfg, engine_cfg, self.mesh))
+        return self.to_engine(weights, inference_weights.weight_shardings(model_cfg, engine_cfg, self.mesh))
 
     def to_engine(self, weights, targets):
         """`weights` for an engine whose weights are placed at `targets` (`Engine.weight_shardings()`):

@@ -92,7 +92,8 @@ def test_greedy_equals_plain_and_siblings_are_accepted(target):
         )
         stats[name] = eng.stats()
         assert stats[name]["compiles_after_warmup"] == 0
-        assert not eng.has_work() and not eng._groups  # every request's index dropped when it finished
+        # every request's index dropped when it finished
+        assert not eng.has_work() and not eng.scheduler.groups
     group, ngram = stats["group"], stats["ngram"]
     assert group["acceptance_rate"] > 0 and group["tokens_per_target_forward"] > 1.5, group
     assert group["tokens_per_target_forward"] > ngram["tokens_per_target_forward"] + 0.3, (group, ngram)

@@ -124,7 +124,7 @@ def test_carried_draft_is_the_full_forwards_mtp_prediction(toy, forward):
     while eng.has_work():
         eng.step()
         carry = jax.device_get(eng._mtp_carry)
-        for b, seq in enumerate(eng._slots):
+        for b, seq in enumerate(eng.scheduler.slots):
             if seq is None or eng._carry_for[b] is None:
                 continue
             text = seq.prompt + seq.tokens

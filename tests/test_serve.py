@@ -565,10 +565,10 @@ def test_engine_cancel_with_group_drafter(weights):
     while eng.has_work():
         done += eng.step()
     assert [(c.sample_index, len(c.tokens)) for c in done] == [(1, 12)]
-    assert not eng._groups  # the request's index went with its last sample
+    assert not eng.scheduler.groups  # the request's index went with its last sample
     (rid,) = eng.submit([TOK.encode("group")], sp)
     eng.step()
-    assert eng.cancel(rid) == 3 and not eng._groups and not eng.has_work()
+    assert eng.cancel(rid) == 3 and not eng.scheduler.groups and not eng.has_work()
 
 
 # --- text: stop strings and incremental decoding -----------------------------------------------------------

@@ -118,7 +118,9 @@ def main() -> None:
             host_cache_pages=host_cache_pages.value,
         )
         if workdir.value:
-            loaded = load_run(workdir.value, step.value, tokenizer=tokenizer.value, mesh=mesh, engine_cfg=ecfg)
+            loaded = load_run(
+                workdir.value, step.value, tokenizer=tokenizer.value, mesh=mesh, engine_cfg=ecfg
+            )
         elif hf_dir.value:
             loaded = load_hf(hf_dir.value, tokenizer=tokenizer.value, mesh=mesh, engine_cfg=ecfg)
         else:

@@ -2,7 +2,7 @@
 its engines run on (`--mesh`) and the drafter of its fast variant.
 
 With a mesh, `load_hf` reads each parameter straight into the engine's layout
-(`inference.engine.weight_shardings`, through `model.io.hf.load(shardings=...)`): every device's block read
+(`inference.weights.weight_shardings`, through `model.io.hf.load(shardings=...)`): every device's block read
 once from its slices of the safetensors, no parameter whole on one device first, and the engines take the
 weights as they are (`Loaded.placed`). A run's checkpoint and random weights are made as without a mesh and
 moved by the engine.
@@ -28,8 +28,8 @@ import model as model_lib
 from configs.engine import EngineConfig
 from configs.errors import UserError
 from inference.drafters import WEIGHTS, MTPDrafter, NgramDrafter
-from inference.engine import weight_shardings
 from inference.layout import check_mesh
+from inference.weights import weight_shardings
 from model import sharding
 from model.io.tokenizer import Tokenizer, load_tokenizer
 

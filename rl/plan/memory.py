@@ -13,7 +13,7 @@ as `jax.sharding.AbstractMesh`es, so the shardings come from the functions the j
   reference        with rl.loss.kl_kind != none: `rl.train_state.reference_weights`, the params in
                    rl.reference_dtype ("": theirs) plus the selection biases, sharded like the params
   sampler_weights  the engine's weights (params and selection biases) in the engine's layout
-                   (`inference.engine.weight_shardings`: `inference.layout`'s rules, replicated over data,
+                   (`inference.weights.weight_shardings`: `inference.layout`'s rules, replicated over data,
                    split over expert and tensor where a dim divides), plus a draft model's (engine.draft
                    = model)
   kv_pages         the engine's page pool (`Transformer.init_paged_cache` for `EngineConfig.pool_pages`
@@ -48,7 +48,7 @@ from configs import grpo, schema
 from configs.schema import ConfigError
 from inference import layout, routing
 from inference.drafters import split_weights
-from inference.engine import graph_config, weight_shardings
+from inference.weights import graph_config, weight_shardings
 from model import config as config_lib
 from model import sharding
 from model.plan import mesh_sizes
