@@ -9,7 +9,8 @@ from __future__ import annotations
 import runpy
 import sys
 
-# Every benchmark, with what it measures. The helper modules (record, hosts, common) are not benchmarks.
+# Every benchmark, with what it measures. The helper modules (record, hosts, common, timing) are not
+# benchmarks.
 BENCHMARKS = {
     "attention_memory": "attention's compiled temp memory by impl and sequence length (XLA, nothing run)",
     "attention_speed": "forward+backward time of the model's attention impls by sequence length",

@@ -66,7 +66,9 @@ def _grad_fn(attn):
 def impl_memory(name: str, t: int) -> dict:
     fn = _impl(name)
     start = time.perf_counter()
-    compiled = jax.jit(_grad_fn(lambda q, k, v: fn(q, k, v, causal=True))).lower(*_shapes(t)).compile()
+    from pallas_kernels.mask import Mask
+
+    compiled = jax.jit(_grad_fn(lambda q, k, v: fn(q, k, v, Mask(causal=True)))).lower(*_shapes(t)).compile()
     mem = compiled.memory_analysis()
     return {
         "kind": "impl",
@@ -80,12 +82,13 @@ def impl_memory(name: str, t: int) -> dict:
 
 def ring_memory(num_devices: int, t: int) -> dict:
     from pallas_kernels import ring_attention
+    from pallas_kernels.mask import Mask
 
     mesh = Mesh(np.asarray(jax.devices()[:num_devices]), ("sequence",), axis_types=(AxisType.Auto,))
     spec = P(None, "sequence", None, None)
 
     def local(q, k, v):
-        return ring_attention.ring_attention(q, k, v, causal=True, block_impl="chunked")
+        return ring_attention.ring_attention(q, k, v, Mask(causal=True), block_impl="chunked")
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     shardings = jax.sharding.NamedSharding(mesh, spec)

@@ -10,23 +10,13 @@ length with the best of --repeats milliseconds per impl and each impl's speed-up
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.record import emit
+from benchmarks.timing import call_seconds
 from model import attention
-
-
-def best_ms(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1000 * min(times)
 
 
 def main() -> None:
@@ -49,7 +39,7 @@ def main() -> None:
                 return jnp.sum(fn(q, k, v, causal=True) ** 2)
 
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-            row["ms"][impl] = round(best_ms(step, (q, k, v), a.repeats), 1)
+            row["ms"][impl] = round(1000 * min(call_seconds(step, q, k, v, calls=a.repeats)), 1)
         if "reference" in row["ms"]:
             row["speedup_vs_reference"] = {
                 name: round(row["ms"]["reference"] / ms, 2) for name, ms in row["ms"].items()

@@ -28,6 +28,8 @@ from benchmarks.train_step import make_train_step
 from configs import base
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
+from rl import batch as batch_lib
+from rl import losses
 
 # Peer dims (the peers' README figures use them): 4 layers, d_model 256, 4/2 heads of 64, vocab 8192.
 PEER_DIMS = dict(layers=4, d_model=256, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=8192)
@@ -232,6 +234,20 @@ def greedy_identical(plain_outputs, other_outputs) -> str:
     """ "same/total": completions with the same tokens on both sides."""
     same = sum(x.tokens == y.tokens for x, y in zip(plain_outputs, other_outputs))
     return f"{same}/{len(plain_outputs)}"
+
+
+def job_batch(cfg, samples, routing: bool = False):
+    """The main job's train batch of `samples` (rl.train's `make_batch` arguments: rows and length from the
+    config, the logit window); (batch, stats)."""
+    return batch_lib.make_batch(
+        samples,
+        adv_std=cfg.rl.advantage_std,
+        length_bucket=cfg.seq_len,
+        max_len=cfg.seq_len,
+        rows=cfg.batch_size,
+        routing=routing,
+        window=losses.logit_window(cfg, cfg.seq_len),
+    )
 
 
 def chosen_sections(p: argparse.ArgumentParser, value: str, sections: tuple[str, ...]) -> list[str]:

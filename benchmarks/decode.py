@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 
@@ -66,7 +65,7 @@ from benchmarks.common import (
     run_peer,
     train,
 )
-from benchmarks.record import emit
+from benchmarks.record import emit, loadavg
 from inference.drafters import ModelDrafter, NgramDrafter
 from inference.engine import Engine
 from inference.sampling import SamplingParams
@@ -415,7 +414,7 @@ def section_peer(a, engines: Engines, dense_eng: Engine) -> list[dict]:
             "bench": "decode_peer",
             "arch": arch,
             "shapes": "16 x 32-token prompts, 64 new tokens, T=1",
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "loadavg_start": loadavg(),
         }
         for steps in (8, 1):
             if steps == 1 and not moe:
@@ -445,7 +444,7 @@ def section_peer(a, engines: Engines, dense_eng: Engine) -> list[dict]:
             line.update(run_peer(name, python, script, arch, a.peer_repeats))
             if f"{name}_tok_s" in line:
                 line[f"ours_vs_{name}"] = round(line["ours_tok_s"] / line[f"{name}_tok_s"], 2)
-        line["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        line["loadavg_end"] = loadavg()
         lines.append(emit(line))
     return lines
 

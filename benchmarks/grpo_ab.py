@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import numpy as np
 
 from benchmarks import record
 from benchmarks.grpo_step import grpo_cfg
-from benchmarks.record import emit
+from benchmarks.record import emit, loadavg
 from inference import Engine
 from rl import batch as batch_lib
 from rl import distributed, losses, sampler, train_state, train_step, validate
@@ -158,9 +157,9 @@ def main() -> None:
     if a.child:
         return child(a.child)
     for name in a.sections.split(","):
-        load = [round(x, 2) for x in os.getloadavg()]
+        load = loadavg()
         line = section_window(a.calls) if name == "window" else section_warmup(a.pairs)
-        line.update(loadavg_start=load, loadavg_end=[round(x, 2) for x in os.getloadavg()])
+        line.update(loadavg_start=load, loadavg_end=loadavg())
         emit(line)
 
 

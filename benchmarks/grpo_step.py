@@ -55,14 +55,13 @@ import jax
 import numpy as np
 
 from benchmarks import matmul_peak
-from benchmarks.common import PEER_DIMS, PEER_MOE, check_peers, model_config
-from benchmarks.record import emit
+from benchmarks.common import PEER_DIMS, PEER_MOE, check_peers, job_batch, model_config
+from benchmarks.record import emit, loadavg
 from configs import grpo as grpo_config  # noqa: E402
 from configs import schema  # noqa: E402
 from envs import Score, Task  # noqa: E402
 from inference import Engine  # noqa: E402
 from model import plan  # noqa: E402
-from rl import batch as batch_lib  # noqa: E402
 from rl import distributed, losses, rollout, sampler, train_state, train_step, validate  # noqa: E402
 from rl.train import _warm_up, _weight_sync  # noqa: E402  (the main job's own helpers)
 
@@ -75,10 +74,6 @@ def _on_compile(event: str, duration: float, **kw) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _COMPILES["n"] += 1
         _COMPILES["s"] += duration
-
-
-def loadavg() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()]
 
 
 def grpo_cfg(arch: str):
@@ -245,14 +240,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
                 **rollout.collect_options(rl),
             )
         with phases.phase("advantages_batch"):
-            batch, stats = batch_lib.make_batch(
-                samples,
-                adv_std=rl.advantage_std,
-                length_bucket=cfg.seq_len,
-                max_len=cfg.seq_len,
-                rows=cfg.batch_size,
-                window=losses.logit_window(cfg, cfg.seq_len),
-            )
+            batch, stats = job_batch(cfg, samples)
         tracing = trace_dir and i == steps  # the last step, under jax.profiler
         if tracing:
             jax.profiler.start_trace(os.path.join(os.path.abspath(trace_dir), arch))
@@ -369,13 +357,8 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
 def run_tunix(arch: str, steps: int, python: str, script: str) -> dict:
     """The peer script in its own interpreter, same dims; its --steps counts the first (compiling) step."""
     d, moe = PEER_DIMS, arch == "qwen3moe"
-    dims = dict(
-        layers=d["layers"],
-        d_model=d["d_model"],
-        heads=d["heads"],
-        kv_heads=d["kv_heads"],
-        head_dim=d["head_dim"],
-        vocab=d["vocab"],
+    dims = {k: d[k] for k in ("layers", "d_model", "heads", "kv_heads", "head_dim", "vocab")}
+    dims.update(
         ffn=PEER_MOE["expert_ffn"] if moe else d["ffn"],
         experts=PEER_MOE["experts"],
         top_k=PEER_MOE["top_k"],

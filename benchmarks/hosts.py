@@ -52,8 +52,7 @@ def start(argv: list[str], *, processes: int, devices: int, log_dir) -> tuple[li
 
 def wait(procs: list, timeout: float) -> int | None:
     """Waits for every process; on the first that fails or runs past `timeout` seconds (its index is
-    returned), the others are stopped: SIGTERM, then SIGKILL (one stuck in a collective with a failed peer
-    may not end on SIGTERM)."""
+    returned), the others are stopped (`stop`)."""
     deadline = time.monotonic() + timeout
     while True:
         codes = [p.poll() for p in procs]
@@ -64,11 +63,18 @@ def wait(procs: list, timeout: float) -> int | None:
             break
         time.sleep(0.5)
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(p)
     return failed
+
+
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stops `proc` if it still runs: SIGTERM, then SIGKILL after `grace` seconds (a process stuck in a
+    collective with a failed peer may not end on SIGTERM)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

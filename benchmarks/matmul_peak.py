@@ -8,11 +8,12 @@ the same machine state (thread pool, clock). Prints one JSON line when run alone
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.record import emit
 
 
 def measure(sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5) -> dict:
@@ -39,15 +40,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
     r = measure(tuple(int(s) for s in a.sizes.split(",")), a.repeats)
-    print(
-        json.dumps(
-            {
-                "bench": "matmul_peak",
-                "backend": jax.default_backend(),
-                "peak_gflops": round(r["peak_flops"] / 1e9, 1),
-                "gflops_by_size": {str(n): round(f / 1e9, 1) for n, f in r["per_size"].items()},
-            }
-        )
+    emit(
+        {
+            "bench": "matmul_peak",
+            "backend": jax.default_backend(),
+            "peak_gflops": round(r["peak_flops"] / 1e9, 1),
+            "gflops_by_size": {str(n): round(f / 1e9, 1) for n, f in r["per_size"].items()},
+        }
     )
 
 

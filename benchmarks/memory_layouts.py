@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from benchmarks import hosts
-from benchmarks.record import emit
+from benchmarks.record import emit, loadavg
 from configs import grpo, schema
 from configs.schema import ConfigError
 
@@ -63,10 +63,6 @@ MEASURED = (
     "kv_pages_bytes",
     "peak_rss_bytes",
 )
-
-
-def loadavg() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()]
 
 
 def layout_flags(name: str, sampler_devices: int) -> dict:

@@ -63,6 +63,22 @@ def alternate(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def gather_vs_dispatch(fns: dict, repeats: int, unit: str, digits: int) -> dict:
+    """The two paths' median times (`alternate`) in `unit` ("us" or "ms"), their ratio and the load
+    averages before and after."""
+    before = loadavg()
+    med = alternate(fns, repeats)
+    scale = {"us": 1e6, "ms": 1e3}[unit]
+    return {
+        f"gather_{unit}": round(med["gather"] * scale, digits),
+        f"dispatch_{unit}": round(med["dispatch"] * scale, digits),
+        "dispatch_over_gather": round(med["dispatch"] / med["gather"], 2),
+        "repeats": repeats,
+        "loadavg_before": before,
+        "loadavg_after": loadavg(),
+    }
+
+
 def section_layer(a) -> None:
     for tokens in [int(t) for t in a.tokens.split(",")]:
         x = jax.random.normal(jax.random.key(0), (tokens, 1, PEER_DIMS["d_model"]), jnp.float32)
@@ -73,20 +89,7 @@ def section_layer(a) -> None:
             graphdef, state = nnx.split(block)
             fwd = jax.jit(lambda state, x, g=graphdef: nnx.merge(g, state)(x)[0])
             fns[path] = lambda f=fwd, s=state, x=x: f(s, x)
-        before = loadavg()
-        med = alternate(fns, a.repeats)
-        emit(
-            {
-                "bench": "moe_decode_layer",
-                "tokens": tokens,
-                "gather_us": round(med["gather"] * 1e6, 1),
-                "dispatch_us": round(med["dispatch"] * 1e6, 1),
-                "dispatch_over_gather": round(med["dispatch"] / med["gather"], 2),
-                "repeats": a.repeats,
-                "loadavg_before": before,
-                "loadavg_after": loadavg(),
-            }
-        )
+        emit({"bench": "moe_decode_layer", "tokens": tokens, **gather_vs_dispatch(fns, a.repeats, "us", 1)})
 
 
 def section_step(a) -> None:
@@ -96,7 +99,7 @@ def section_step(a) -> None:
     for path in PATHS:
         m = model.build(anchor_config(path), seed=0)
         cache = m.init_cache(batch, max_len)
-        cache["index"] = jnp.full((batch,), max_len // 2, jnp.int32)
+        cache = cache._replace(index=jnp.full((batch,), max_len // 2, jnp.int32))
         graphdef, state = nnx.split(m)
 
         def step(state, toks, cache, g=graphdef):
@@ -105,19 +108,12 @@ def section_step(a) -> None:
 
         step = jax.jit(step)
         fns[path] = lambda f=step, s=state, c=cache: f(s, toks_B1, c)
-    before = loadavg()
-    med = alternate(fns, a.repeats)
     emit(
         {
             "bench": "moe_decode_step",
             "batch": batch,
             "cache_positions": f"{max_len // 2} of {max_len}",
-            "gather_ms": round(med["gather"] * 1e3, 3),
-            "dispatch_ms": round(med["dispatch"] * 1e3, 3),
-            "dispatch_over_gather": round(med["dispatch"] / med["gather"], 2),
-            "repeats": a.repeats,
-            "loadavg_before": before,
-            "loadavg_after": loadavg(),
+            **gather_vs_dispatch(fns, a.repeats, "ms", 3),
         }
     )
 

@@ -12,7 +12,6 @@ compiles after warmup.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -102,7 +101,6 @@ def main() -> None:
             "prompt_len": a.prompt,
             "new_tokens": a.new,
             "num_draft": k,
-            "load_avg_1m": round(os.getloadavg()[0], 2),
         }
         outputs = plain_vs_speculative(plain, spec, prompts, a.new, a.repeats, side="mtp")
         line.update({name: figures for name, (_, _, figures) in outputs.items()})

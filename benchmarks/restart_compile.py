@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.record import emit
+from benchmarks.record import emit, loadavg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +53,7 @@ def run_once(config: str, workdir: str, cache_dir: str, min_compile_s: str) -> d
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=min_compile_s,
     )
     command = [sys.executable, "-m", "rl.train", f"--config={config}", f"--workdir={workdir}", "--eval=false"]
-    load_start = [round(x, 2) for x in os.getloadavg()]
+    load_start = loadavg()
     t0 = time.time()
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
     wall = time.time() - t0

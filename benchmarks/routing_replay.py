@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import job_batch  # noqa: E402
 from benchmarks.record import emit, loadavg  # noqa: E402
 from configs import deepseek_v3, grpo  # noqa: E402
 from inference import routing  # noqa: E402
@@ -121,15 +122,7 @@ def measure(seed: int, dtype: str, params, model_state, pool, batches: int, out:
         if not samples:
             out.append(emit({**line, "skipped": "every group filtered out", "counts": counts}))
             continue
-        batch, _ = batch_lib.make_batch(
-            samples,
-            adv_std=rl.advantage_std,
-            length_bucket=cfg.seq_len,
-            max_len=cfg.seq_len,
-            rows=cfg.batch_size,
-            routing=True,
-            window=losses.logit_window(cfg, cfg.seq_len),
-        )
+        batch, _ = job_batch(cfg, samples, routing=True)
         for replay, update in updates.items():
             copy = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # the update donates its state
             _, metrics = update(copy, batch)
@@ -144,7 +137,8 @@ def measure(seed: int, dtype: str, params, model_state, pool, batches: int, out:
     layers, pages, page_size, k = experts.shape
     slots = pages * page_size
     kv = sum(x.nbytes for name, x in engine.kv.items() if name != "experts")
-    in_batch = batch_lib.empty_batch(1, 1, routing=(layers, k))["expert_indices"]  # the trainer's [L, 1, 1, k]
+    # the trainer's [L, 1, 1, k]
+    in_batch = batch_lib.empty_batch(1, 1, routing=(layers, k))["expert_indices"]
     return {
         "dtype": dtype,
         "record_dtype": str(experts.dtype),

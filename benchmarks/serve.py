@@ -16,7 +16,8 @@ measured in the engine thread, free of the client's own lag, which at high load 
 so understates TPOT and overstates TTFT). Plain and fast alternate at each rate. Then one `serve_knee`
 line per (config, variant): the knee of the latency curve, the first offered rate whose client TTFT p50
 exceeds `KNEE_FACTOR` x that of the lowest rate (the server then queues faster than it serves), and the
-highest rate below it. Every line carries the command and `os.getloadavg()` (the machine is shared).
+highest rate below it. Every line starts with the record header (`benchmarks.record`: command, load
+average, ...).
 
 Random weights: the n-gram drafter's acceptance depends on how repetitive the text is, and an untrained
 model's greedy text is neither a trained model's nor the drafter's best case.
@@ -36,6 +37,7 @@ import urllib.request
 
 import numpy as np
 
+from benchmarks import hosts
 from benchmarks.record import emit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,15 +99,6 @@ def start_server(name: str, flags: list[str], port: int, log_path: str, timeout:
         time.sleep(1.0)
     proc.terminate()
     raise TimeoutError(f"server not ready after {timeout} s; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def server_counts(port: int, model: str) -> dict:
@@ -292,7 +285,7 @@ def main() -> None:
                     }
                 )
         finally:
-            stop_server(proc)
+            hosts.stop(proc, grace=30)
 
 
 if __name__ == "__main__":

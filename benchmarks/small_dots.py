@@ -18,10 +18,8 @@ the rule this host gets (`steps.eigen_small_dots`):
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,20 +37,15 @@ from benchmarks.common import (
     random_prompts,
     run,
 )
-from benchmarks.record import emit
+from benchmarks.record import emit, loadavg
+from benchmarks.timing import call_seconds
 from inference import SamplingParams, steps
 from inference.drafters import ModelDrafter
 from model import transformer as model
 
 
 def _median_ms(fn, *args, calls: int = 40) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(call_seconds(fn, *args, calls=calls))
 
 
 def section_matmul() -> dict:
@@ -160,11 +153,11 @@ def main() -> None:
     a = p.parse_args()
     if jax.default_backend() != "cpu":
         sys.exit("small_dots.py compares XLA:CPU's dot kernels: run it on the CPU backend")
-    load = [round(x, 2) for x in os.getloadavg()]
+    load = loadavg()
     for name in a.sections.split(","):
         line = section_matmul() if name == "matmul" else section_engine(a.repeats)
-        emit({**line, **cpu(), "loadavg_start": load, "loadavg_end": [round(x, 2) for x in os.getloadavg()]})
-        load = [round(x, 2) for x in os.getloadavg()]
+        emit({**line, **cpu(), "loadavg_start": load, "loadavg_end": loadavg()})
+        load = loadavg()
 
 
 if __name__ == "__main__":
