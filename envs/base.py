@@ -84,7 +84,7 @@ class Environment:
         """(prompt, metadata) of one task of difficulty `level`, drawn from `rng` only; metadata is
         JSON-serialisable and holds what scoring needs. Implement it to use the default `task_at`."""
         raise NotImplementedError(
-            f"{type(self).__name__} implements neither sample_tasks, task_at nor make_task(rng, level)"
+            f"{type(self).__name__} implements neither sample_tasks nor make_task(rng, level)"
         )
 
     def sample_tasks(self, seed: int, n: int, *, difficulty: int | None = None) -> list[Task]:

@@ -31,6 +31,8 @@ import re
 from collections.abc import Iterable
 from fractions import Fraction
 
+from envs.base import Score
+
 PLAIN_MAX_CHARS = 40
 MAX_COMPLETION_CHARS = 2_000_000
 MAX_MARKERS = 16  # more final-answer markers than this is a format error, not a search
@@ -285,6 +287,19 @@ def grade(
     if matches(parsed.value, expected, tolerance=tolerance):
         return parsed
     return dataclasses.replace(parsed, status="wrong")
+
+
+def graded_score(completion: str, expected: Fraction, **options) -> Score:
+    """`grade(completion, expected, **options)` as a `Score`: its reward and status, with what was parsed
+    and expected (both as `format_number` writes them), why, and which rule found the value."""
+    result = grade(completion, expected, **options)
+    details = {
+        "parsed": None if result.value is None else format_number(result.value),
+        "expected": format_number(expected),
+        "reason": result.reason,
+        "source": result.source,
+    }
+    return Score(result.reward, result.status, details)
 
 
 def format_number(value: Fraction) -> str:

@@ -510,8 +510,7 @@ class MathEnvironment(SingleTurnEnvironment):
             return self._sample_data(self.tasks, seed, n, difficulty, None)
         return super().sample_tasks(seed, n, difficulty=difficulty)
 
-    def task_at(self, seed: int, index: int, level: int | None) -> Task:
-        return generate_task(seed, index, level)
+    task_at = staticmethod(generate_task)
 
     @staticmethod
     def _sample_data(
@@ -532,17 +531,9 @@ class MathEnvironment(SingleTurnEnvironment):
         return f"{steps}\n\nThe final answer is {boxed}." if steps else boxed
 
     def score(self, task: Task, completion: str) -> Score:
-        expected = task_answer(task)
-        result = answers.grade(
+        return answers.graded_score(
             completion,
-            expected,
+            task_answer(task),
             percent=bool(task.metadata.get("percent", False)),
             tolerance=task.metadata.get("tolerance"),
         )
-        details = {
-            "parsed": None if result.value is None else answers.format_number(result.value),
-            "expected": answers.format_number(expected),
-            "reason": result.reason,
-            "source": result.source,
-        }
-        return Score(result.reward, result.status, details)

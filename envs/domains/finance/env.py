@@ -75,8 +75,7 @@ class FinanceEnvironment(SingleTurnEnvironment):
     levels = (0, 1, 2, 3)
     level_seed = "finance-levels"
 
-    def task_at(self, seed: int, index: int, level: int | None) -> Task:
-        return generate_task(seed, index, level)
+    task_at = staticmethod(generate_task)
 
     def reference_solution(self, task: Task) -> str:
         steps = "\n".join(task.metadata["steps"])
@@ -85,11 +84,4 @@ class FinanceEnvironment(SingleTurnEnvironment):
 
     def score(self, task: Task, completion: str) -> Score:
         expected = Fraction(task.metadata["answer"])
-        result = answers.grade(completion, expected, percent=bool(task.metadata.get("percent")))
-        details = {
-            "parsed": None if result.value is None else answers.format_number(result.value),
-            "expected": answers.format_number(expected),
-            "reason": result.reason,
-            "source": result.source,
-        }
-        return Score(result.reward, result.status, details)
+        return answers.graded_score(completion, expected, percent=bool(task.metadata.get("percent")))
