@@ -4,14 +4,14 @@ Dimension key: B batch, T query tokens, S key tokens, N query heads, K kv heads,
 heads per kv head, H head dim; I query blocks of X queries each (T padded to I * X), J key blocks of
 Y keys each (S padded to J * Y).
 
-The contract (layout, masking by positions / segments / window, fully masked rows giving o = 0 and
-lse = MASK_VALUE) is `pallas_kernels.reference`. This is the default attention on CPU for long
+The contract (layout, fully masked rows giving o = 0 and lse = MASK_VALUE) is `pallas_kernels.reference`,
+the masking rule `pallas_kernels.mask`. This is the default attention on CPU for long
 sequences and the per-block compute of ring attention, so the forward (with lse) and the backward
 (given the final o and lse) are public on their own; `chunked_attention` ties them in a custom VJP.
 
 Memory: the scores of one (query block, key block) pair at a time, [B, K, G, X, Y] in f32, plus O(T)
-accumulators; the backward recomputes the probabilities from the saved lse. Pairs that the masks
-rule out for every row of the batch (judged from the blocks' position / segment min and max) are
+accumulators; the backward recomputes the probabilities from the saved lse. Pairs that the mask
+rules out for every row of the batch (judged from the blocks' position / segment min and max) are
 skipped with `lax.cond`, so causal attention does about half the score work.
 """
 
@@ -26,20 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.reference import MASK_VALUE, allowed, check_shapes, mask_args
+from pallas_kernels.blocks import BlockSizes
+from pallas_kernels.mask import Mask, allowed, blocks_may_attend
+from pallas_kernels.reference import MASK_VALUE, check_shapes
 
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Queries and keys per block; clamped to T and S, so short sequences use one block.
-
-    256 x 256: on a shared 2-core CPU (B=1, T=2048, N=4, K=2, H=64, f32 fwd+bwd) it was the fastest
-    or tied in every run; 128 was up to 1.4x slower (twice the loop steps), 512 1.5-3x slower (its
-    [B, K, G, X, Y] f32 scores, 4 MiB here, no longer fit in cache).
-    """
-
-    block_q: int = 256
-    block_kv: int = 256
+# Queries and keys per block (block_q, block_kv; the other fields are flash's), clamped to T and S so short
+# sequences use one block. Halving them doubles the loop steps; doubling them makes the f32 scores of one
+# block pair, [B, K, G, X, Y], outgrow the CPU caches.
+DEFAULT_BLOCK_SIZES = BlockSizes(block_q=256, block_kv=256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +47,8 @@ class _Static:
     block_kv: int
 
 
-class _Masks(NamedTuple):
-    """int32 masking arrays as `mask_args` fills them; the segment ids may be None."""
-
-    q_seg_BT: jax.Array | None
-    kv_seg_BS: jax.Array | None
-    q_pos_BT: jax.Array
-    kv_pos_BS: jax.Array
-
-
 class _Side(NamedTuple):
-    """One side (queries or keys) of the masks in blocks: [blocks, B, per block], and the static
+    """One side (queries or keys) of the mask in blocks: [blocks, B, per block], and the static
     validity of each padded slot."""
 
     pos: jax.Array
@@ -71,43 +56,18 @@ class _Side(NamedTuple):
     valid: np.ndarray
 
 
-def _prepare(
-    q_BTNH,
-    k_BSKH,
-    v_BSKH,
-    causal,
-    segment_ids,
-    kv_segment_ids,
-    q_positions,
-    kv_positions,
-    sliding_window,
-    scale,
-    block_sizes,
-) -> tuple[_Static, _Masks]:
+def _prepare(q_BTNH, k_BSKH, v_BSKH, mask: Mask, scale, block_sizes) -> tuple[_Static, Mask]:
     check_shapes(q_BTNH, k_BSKH, v_BSKH)
-    b, t, _, h = q_BTNH.shape
-    s = k_BSKH.shape[1]
-    for name, x, want in (
-        ("segment_ids", segment_ids, (b, t)),
-        ("q_positions", q_positions, (b, t)),
-        ("kv_positions", kv_positions, (b, s)),
-    ):
-        if x is not None and jnp.shape(x) != want:
-            raise ValueError(f"{name}: shape {jnp.shape(x)}, expected {want}; broadcast it to [B, T or S]")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window}: must be a positive int, or None for no window")
-    bs = BlockSizes() if block_sizes is None else block_sizes
-    if bs.block_q < 1 or bs.block_kv < 1:
-        raise ValueError(f"block_sizes={bs}: block_q and block_kv must be positive")
+    mask = mask.filled(q_BTNH, k_BSKH)
+    bs = DEFAULT_BLOCK_SIZES if block_sizes is None else block_sizes
     static = _Static(
-        causal=bool(causal),
-        sliding_window=sliding_window,
-        scale=float(h**-0.5 if scale is None else scale),
-        block_q=min(bs.block_q, t),
-        block_kv=min(bs.block_kv, s),
+        causal=mask.causal,
+        sliding_window=mask.sliding_window,
+        scale=float(q_BTNH.shape[3] ** -0.5 if scale is None else scale),
+        block_q=min(bs.block_q, q_BTNH.shape[1]),
+        block_kv=min(bs.block_kv, k_BSKH.shape[1]),
     )
-    masks = mask_args(q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions)
-    return static, _Masks(*(None if x is None else jnp.asarray(x, jnp.int32) for x in masks))
+    return static, mask
 
 
 def _num_blocks(length: int, block: int) -> int:
@@ -176,20 +136,21 @@ def _kv_unblocks(x_JBKYH, s: int):
 
 
 def _live_blocks(q: _Side, kv: _Side, st: _Static):
-    """[I, J] bool: False where the masks rule out every (query, key) pair of the two blocks in every
+    """[I, J] bool: False where the mask rules out every (query, key) pair of the two blocks in every
     batch row. Conservative (intervals of positions), so a True pair may still be fully masked."""
     q_lo, q_hi = q.pos.min(-1)[:, None], q.pos.max(-1)[:, None]  # [I, 1, B]
     k_lo, k_hi = kv.pos.min(-1)[None], kv.pos.max(-1)[None]  # [1, J, B]
-    live = jnp.ones(jnp.broadcast_shapes(q_lo.shape, k_lo.shape), bool)
-    if st.causal:
-        live = live & (q_hi >= k_lo)
-    if st.sliding_window is not None:
-        live = live & (q_lo - k_hi < st.sliding_window)
-        if not st.causal:
-            live = live & (k_lo - q_hi < st.sliding_window)
+    segments = None
     if q.seg is not None:
-        live = live & (q.seg.min(-1)[:, None] <= kv.seg.max(-1)[None])
-        live = live & (kv.seg.min(-1)[None] <= q.seg.max(-1)[:, None])
+        segments = (
+            q.seg.min(-1)[:, None],
+            q.seg.max(-1)[:, None],
+            kv.seg.min(-1)[None],
+            kv.seg.max(-1)[None],
+        )
+    live = blocks_may_attend(
+        q_lo, q_hi, k_lo, k_hi, causal=st.causal, sliding_window=st.sliding_window, segments=segments
+    )
     return live.any(-1)
 
 
@@ -272,7 +233,7 @@ def _fwd_blocks(q_IBKGXH, k_JBKYH, v_JBKYH, qs: _Side, ks: _Side, live_IJ, st: _
 
 def _scan(step, carry, xs):
     """`lax.scan(step, carry, xs)`; a scan of one step calls `step` once, with no loop to compile (every
-    sequence up to a block long: one block pair). `xs` may hold None and numpy validity masks."""
+    sequence up to a block long: one block pair). `xs` may hold None and numpy validity mask."""
     if jax.tree.leaves(xs)[0].shape[0] != 1:
         return lax.scan(step, carry, xs)
     carry, ys = step(carry, jax.tree.map(lambda a: a[0], xs))
@@ -317,27 +278,27 @@ def _bwd_blocks(
     return _scan(one_kv_block, dq_IBKGXH, xs)
 
 
-def _tie_to(masks: _Masks, x: jax.Array) -> _Masks:
+def _tie_to(mask: Mask, x: jax.Array) -> Mask:
     """The mask arrays, made to depend on `x` (q) through an optimization barrier.
 
     Under a `lax.scan` over layers the positions and segment ids are loop constants, and JAX's scan
     autodiff hoists every loop-invariant value out of the loop, computed for all iterations at once:
-    here the [I, J] stack of block masks (and, through `lax.cond`, the score blocks), O(T^2) memory.
+    here the [I, J] stack of block mask (and, through `lax.cond`, the score blocks), O(T^2) memory.
     Tied to q, they vary with the layer and stay inside the loop, block by block.
     """
-    masks, _ = lax.optimization_barrier((masks, x))
-    return masks
+    mask, _ = lax.optimization_barrier((mask, x))
+    return mask
 
 
-def _sides(masks: _Masks, st: _Static):
-    qs = _side(masks.q_pos_BT, masks.q_seg_BT, st.block_q)
-    ks = _side(masks.kv_pos_BS, masks.kv_seg_BS, st.block_kv)
+def _sides(mask: Mask, st: _Static):
+    qs = _side(mask.q_positions, mask.segment_ids, st.block_q)
+    ks = _side(mask.kv_positions, mask.kv_segment_ids, st.block_kv)
     return qs, ks, _live_blocks(qs, ks, st)
 
 
-def _fwd(q_BTNH, k_BSKH, v_BSKH, masks: _Masks, st: _Static):
+def _fwd(q_BTNH, k_BSKH, v_BSKH, mask: Mask, st: _Static):
     kv = k_BSKH.shape[2]
-    qs, ks, live_IJ = _sides(_tie_to(masks, q_BTNH), st)
+    qs, ks, live_IJ = _sides(_tie_to(mask, q_BTNH), st)
     o_IBKGXH, lse_IBKGX = _fwd_blocks(
         _q_blocks(q_BTNH, kv, st.block_q),
         _kv_blocks(k_BSKH, st.block_kv),
@@ -351,9 +312,9 @@ def _fwd(q_BTNH, k_BSKH, v_BSKH, masks: _Masks, st: _Static):
     return _q_unblocks(o_IBKGXH, t), _row_unblocks(lse_IBKGX, t)
 
 
-def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks: _Masks, st: _Static):
+def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, mask: Mask, st: _Static):
     t, kv = q_BTNH.shape[1], k_BSKH.shape[2]
-    qs, ks, live_IJ = _sides(_tie_to(masks, q_BTNH), st)
+    qs, ks, live_IJ = _sides(_tie_to(mask, q_BTNH), st)
     delta_BTN = jnp.einsum("btnh,btnh->btn", do_BTNH.astype(jnp.float32), o_BTNH.astype(jnp.float32))
     dq_IBKGXH, (dk_JBKYH, dv_JBKYH) = _bwd_blocks(
         _q_blocks(q_BTNH, kv, st.block_q),
@@ -375,18 +336,18 @@ def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks: _Masks, st: _S
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q_BTNH, k_BSKH, v_BSKH, masks: _Masks, st: _Static):
-    return _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st)[0]
+def _attention(q_BTNH, k_BSKH, v_BSKH, mask: Mask, st: _Static):
+    return _fwd(q_BTNH, k_BSKH, v_BSKH, mask, st)[0]
 
 
-def _attention_fwd(q_BTNH, k_BSKH, v_BSKH, masks: _Masks, st: _Static):
-    o_BTNH, lse_BTN = _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st)
-    return o_BTNH, (q_BTNH, k_BSKH, v_BSKH, masks, o_BTNH, lse_BTN)
+def _attention_fwd(q_BTNH, k_BSKH, v_BSKH, mask: Mask, st: _Static):
+    o_BTNH, lse_BTN = _fwd(q_BTNH, k_BSKH, v_BSKH, mask, st)
+    return o_BTNH, (q_BTNH, k_BSKH, v_BSKH, mask, o_BTNH, lse_BTN)
 
 
 def _attention_bwd(st: _Static, res, do_BTNH):
-    q_BTNH, k_BSKH, v_BSKH, masks, o_BTNH, lse_BTN = res
-    dq, dk, dv = _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st)
+    q_BTNH, k_BSKH, v_BSKH, mask, o_BTNH, lse_BTN = res
+    dq, dk, dv = _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, mask, st)
     return dq, dk, dv, None  # integer mask arrays have no cotangent
 
 
@@ -394,34 +355,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def chunked_attention_fwd(
-    q_BTNH,
-    k_BSKH,
-    v_BSKH,
-    *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
-    scale: float | None = None,
-    block_sizes: BlockSizes | None = None,
+    q_BTNH, k_BSKH, v_BSKH, mask: Mask, *, scale: float | None = None, block_sizes: BlockSizes | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """(o_BTNH in q's dtype, lse_BTN in f32); the masking arguments are those of `attention_reference`."""
-    st, masks = _prepare(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        causal,
-        segment_ids,
-        kv_segment_ids,
-        q_positions,
-        kv_positions,
-        sliding_window,
-        scale,
-        block_sizes,
-    )
-    return _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st)
+    """(o_BTNH in q's dtype, lse_BTN in f32)."""
+    st, mask = _prepare(q_BTNH, k_BSKH, v_BSKH, mask, scale, block_sizes)
+    return _fwd(q_BTNH, k_BSKH, v_BSKH, mask, st)
 
 
 def chunked_attention_bwd(
@@ -431,67 +369,27 @@ def chunked_attention_bwd(
     o_BTNH,
     lse_BTN,
     do_BTNH,
+    mask: Mask,
     *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) in the input dtypes, given the FINAL o and lse: ring attention passes the merged
     o / lse of all key blocks with only one of them, so delta = sum(do * o) and p = exp(s - lse) come
     from what is passed, not from these keys alone."""
-    st, masks = _prepare(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        causal,
-        segment_ids,
-        kv_segment_ids,
-        q_positions,
-        kv_positions,
-        sliding_window,
-        scale,
-        block_sizes,
-    )
+    st, mask = _prepare(q_BTNH, k_BSKH, v_BSKH, mask, scale, block_sizes)
     if o_BTNH.shape != q_BTNH.shape or do_BTNH.shape != q_BTNH.shape or lse_BTN.shape != q_BTNH.shape[:3]:
         raise ValueError(
             f"o {o_BTNH.shape}, do {do_BTNH.shape}, lse {lse_BTN.shape}: expected o and do {q_BTNH.shape}"
             f" like q, lse {q_BTNH.shape[:3]} (q without H)"
         )
-    return _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st)
+    return _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, mask, st)
 
 
 def chunked_attention(
-    q_BTNH,
-    k_BSKH,
-    v_BSKH,
-    *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
-    scale: float | None = None,
-    block_sizes: BlockSizes | None = None,
+    q_BTNH, k_BSKH, v_BSKH, mask: Mask, *, scale: float | None = None, block_sizes: BlockSizes | None = None
 ) -> jax.Array:
     """o_BTNH (q's dtype), differentiable in q, k, v with the blocked backward (a custom VJP that
     saves q, k, v, o, lse and the int mask arrays, never the T x S probabilities)."""
-    st, masks = _prepare(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        causal,
-        segment_ids,
-        kv_segment_ids,
-        q_positions,
-        kv_positions,
-        sliding_window,
-        scale,
-        block_sizes,
-    )
-    return _attention(q_BTNH, k_BSKH, v_BSKH, masks, st)
+    st, mask = _prepare(q_BTNH, k_BSKH, v_BSKH, mask, scale, block_sizes)
+    return _attention(q_BTNH, k_BSKH, v_BSKH, mask, st)

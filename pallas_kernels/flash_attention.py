@@ -4,8 +4,8 @@ Dimension key: B batch, T query tokens, S key tokens, N query heads, K kv heads,
 kv head, H head dim; in block tables Q query blocks, J key blocks. Suffix `_p` marks a length padded up to
 a multiple of the block sizes.
 
-The contract (layout, masking by positions / segments / causal / sliding window, o = 0 and lse = MASK_VALUE
-for fully masked rows) is `reference.py`'s; `flash_attention_reference` is its einsum reference.
+The contract (layout, o = 0 and lse = MASK_VALUE for fully masked rows) is `reference.py`'s, the masking
+rule `mask.py`'s; `flash_attention_reference` is the einsum reference.
 
 Structure (Triton style, portable): internally q is [B, N, T, H] and k, v are [B, K, S, H]. The forward and
 dq kernels run on a grid (B, N, query blocks), hold one query block and the whole key range of their kv head
@@ -26,7 +26,6 @@ score tile with no lane-dim dynamic slicing (TPU friendly). Backend-specific cho
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -39,6 +38,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import reference
+from pallas_kernels.blocks import BlockSizes
+from pallas_kernels.mask import Mask, allowed, blocks_may_attend
 
 MASK_VALUE = reference.MASK_VALUE
 flash_attention_reference = reference.attention_reference
@@ -48,30 +49,6 @@ _INT_MAX = jnp.iinfo(jnp.int32).max
 _INT_MIN = jnp.iinfo(jnp.int32).min
 # Smallest tile: Triton's tl.dot needs 16 on each side, and TPU tiles bf16 rows in 16s.
 _MIN_BLOCK = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes, positive multiples of 16; shrunk to a power of two (>= 16) when a sequence is shorter.
-
-    block_q / block_kv: forward. *_dkv: the dk/dv kernel (query tile looped, key tile on the grid).
-    *_dq: the dq kernel (query tile on the grid, key tile looped).
-    """
-
-    block_q: int = 128
-    block_kv: int = 128
-    block_q_dkv: int = 64
-    block_kv_dkv: int = 128
-    block_q_dq: int = 128
-    block_kv_dq: int = 64
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or value <= 0 or value % _MIN_BLOCK:
-                raise ValueError(
-                    f"BlockSizes.{field.name}={value!r}: expected a positive multiple of {_MIN_BLOCK}"
-                )
 
 
 class _Backend(NamedTuple):
@@ -156,24 +133,21 @@ def _block_bounds(ids_BT, length: int, length_p: int, block: int):
     return lo, hi
 
 
-def _live_blocks(masks, st: _Static, t_p: int, s_p: int, block_q: int, block_kv: int):
+def _live_blocks(mask: Mask, st: _Static, t_p: int, s_p: int, block_q: int, block_kv: int):
     """bool [B, Q, J]: whether query block i and key block j may hold an allowed pair (conservative)."""
-    q_seg, kv_seg, q_pos, kv_pos = masks
-    q_lo, q_hi = (x[:, :, None] for x in _block_bounds(q_pos, st.t, t_p, block_q))
-    k_lo, k_hi = (x[:, None, :] for x in _block_bounds(kv_pos, st.s, s_p, block_kv))
-    live = (q_lo <= q_hi) & (k_lo <= k_hi)  # each block holds a real token
-    if st.causal:
-        live = live & (k_lo <= q_hi)
-    if st.sliding_window is not None:
-        # Differences only matter where both blocks are real (else they may wrap; `live` is False there).
-        live = live & (q_lo - k_hi < st.sliding_window)
-        if not st.causal:
-            live = live & (k_lo - q_hi < st.sliding_window)
+    q_lo, q_hi = (x[:, :, None] for x in _block_bounds(mask.q_positions, st.t, t_p, block_q))
+    k_lo, k_hi = (x[:, None, :] for x in _block_bounds(mask.kv_positions, st.s, s_p, block_kv))
+    segments = None
     if st.has_segments:
-        qs_lo, qs_hi = (x[:, :, None] for x in _block_bounds(q_seg, st.t, t_p, block_q))
-        ks_lo, ks_hi = (x[:, None, :] for x in _block_bounds(kv_seg, st.s, s_p, block_kv))
-        live = live & (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
-    return live
+        qs_lo, qs_hi = (x[:, :, None] for x in _block_bounds(mask.segment_ids, st.t, t_p, block_q))
+        ks_lo, ks_hi = (x[:, None, :] for x in _block_bounds(mask.kv_segment_ids, st.s, s_p, block_kv))
+        segments = (qs_lo, qs_hi, ks_lo, ks_hi)
+    # Each block holds a real token; the rule's differences only matter where both do (padding may wrap).
+    real = (q_lo <= q_hi) & (k_lo <= k_hi)
+    may = blocks_may_attend(
+        q_lo, q_hi, k_lo, k_hi, causal=st.causal, sliding_window=st.sliding_window, segments=segments
+    )
+    return real & may
 
 
 def _live_range(live_BQJ, axis: int):
@@ -196,7 +170,7 @@ def _loop_bounds(range_ref):
 
 def _mask(qpos, kpos, qseg, kseg, q_start, kv_start, st: _Static, t_p: int, s_p: int, check_q: bool):
     """bool (block_q, block_kv) inside a kernel: the contract's mask and the padding tests."""
-    ok = reference.allowed(qpos, kpos, qseg, kseg, causal=st.causal, sliding_window=st.sliding_window)
+    ok = allowed(qpos, kpos, qseg, kseg, causal=st.causal, sliding_window=st.sliding_window)
     if st.s < s_p:
         ok = ok & (kv_start + lax.broadcasted_iota(jnp.int32, kpos.shape, 1) < st.s)
     if check_q and st.t < t_p:
@@ -309,12 +283,12 @@ class _Ids(NamedTuple):
     kv_seg: Any
 
 
-def _id_inputs(masks, t_p: int, s_p: int, block_q: int, block_kv: int, q_whole: bool):
+def _id_inputs(mask: Mask, t_p: int, s_p: int, block_q: int, block_kv: int, q_whole: bool):
     """Blocked position / segment arrays and their BlockSpecs on a (B, heads, blocks) grid.
 
     q_whole: the kernel gets every query block (dk/dv kernel) and one key block; else the reverse.
     """
-    q_seg, kv_seg, q_pos, kv_pos = masks
+    q_seg, kv_seg, q_pos, kv_pos = mask.segment_ids, mask.kv_segment_ids, mask.q_positions, mask.kv_positions
     nq, nk = t_p // block_q, s_p // block_kv
     if q_whole:
         q_spec = pl.BlockSpec((None, nq, block_q, 1), lambda b, h, j: (b, 0, 0, 0))
@@ -360,15 +334,15 @@ def _call(kernel, backend: _Backend, grid, in_specs, out_specs, out_shape, name:
     )
 
 
-def _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st: _Static, blocks: BlockSizes, platform: str):
+def _fwd(q_BTNH, k_BSKH, v_BSKH, mask, st: _Static, blocks: BlockSizes, platform: str):
     b, t, n, h = q_BTNH.shape
     s, num_kv = k_BSKH.shape[1], k_BSKH.shape[2]
     g = n // num_kv
     backend = _backend(platform, h)
     block_q, block_kv = _fit(blocks.block_q, t), _fit(blocks.block_kv, s)
     t_p, s_p = _round_up(t, block_q), _round_up(s, block_kv)
-    range_flat = _live_range(_live_blocks(masks, st, t_p, s_p, block_q, block_kv), axis=2)
-    ids, id_specs = _id_inputs(masks, t_p, s_p, block_q, block_kv, q_whole=False)
+    range_flat = _live_range(_live_blocks(mask, st, t_p, s_p, block_q, block_kv), axis=2)
+    ids, id_specs = _id_inputs(mask, t_p, s_p, block_q, block_kv, q_whole=False)
     q_spec = pl.BlockSpec((None, None, block_q, h), lambda bi, hi, i: (bi, hi, i, 0))
     kv_spec = pl.BlockSpec((None, None, s_p, h), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
     row_spec = pl.BlockSpec((None, None, block_q, 1), lambda bi, hi, i: (bi, hi, i, 0))
@@ -387,12 +361,12 @@ def _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st: _Static, blocks: BlockSizes, platfor
     return _heads_last(o_BNTH, t), jnp.transpose(lse_BNT1[:, :, :t, 0], (0, 2, 1))
 
 
-def _dq(q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, masks, st, block_q, block_kv, backend):
+def _dq(q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, mask, st, block_q, block_kv, backend):
     b, n, t_p, h = q_BNTH.shape
     s_p = k_BKSH.shape[2]
     g = n // k_BKSH.shape[1]
-    range_flat = _live_range(_live_blocks(masks, st, t_p, s_p, block_q, block_kv), axis=2)
-    ids, id_specs = _id_inputs(masks, t_p, s_p, block_q, block_kv, q_whole=False)
+    range_flat = _live_range(_live_blocks(mask, st, t_p, s_p, block_q, block_kv), axis=2)
+    ids, id_specs = _id_inputs(mask, t_p, s_p, block_q, block_kv, q_whole=False)
     q_spec = pl.BlockSpec((None, None, block_q, h), lambda bi, hi, i: (bi, hi, i, 0))
     kv_spec = pl.BlockSpec((None, None, s_p, h), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
     row_spec = pl.BlockSpec((None, None, block_q, 1), lambda bi, hi, i: (bi, hi, i, 0))
@@ -408,12 +382,12 @@ def _dq(q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, masks, st, block_
     )(range_flat, q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, ids)
 
 
-def _dkv(q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, masks, st, block_q, block_kv, backend):
+def _dkv(q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, mask, st, block_q, block_kv, backend):
     b, n, t_p, h = q_BNTH.shape
     num_kv, s_p = k_BKSH.shape[1], k_BKSH.shape[2]
     g = n // num_kv
-    range_flat = _live_range(_live_blocks(masks, st, t_p, s_p, block_q, block_kv), axis=1)
-    ids, id_specs = _id_inputs(masks, t_p, s_p, block_q, block_kv, q_whole=True)
+    range_flat = _live_range(_live_blocks(mask, st, t_p, s_p, block_q, block_kv), axis=1)
+    ids, id_specs = _id_inputs(mask, t_p, s_p, block_q, block_kv, q_whole=True)
     # Block index k along N selects query heads k*G .. k*G + G-1: the heads that read kv head k.
     q_spec = pl.BlockSpec((None, g, t_p, h), lambda bi, ki, j: (bi, ki, 0, 0))
     row_spec = pl.BlockSpec((None, g, t_p, 1), lambda bi, ki, j: (bi, ki, 0, 0))
@@ -431,7 +405,7 @@ def _dkv(q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, masks, st, block
     )(range_flat, q_BNTH, k_BKSH, v_BKSH, do_BNTH, lse_BNT1, delta_BNT1, ids)
 
 
-def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st, blocks: BlockSizes, platform: str):
+def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, mask, st, blocks: BlockSizes, platform: str):
     t, s, h = q_BTNH.shape[1], k_BSKH.shape[1], q_BTNH.shape[3]
     backend = _backend(platform, h)
     dq_blocks = _fit(blocks.block_q_dq, t), _fit(blocks.block_kv_dq, s)
@@ -448,7 +422,7 @@ def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st, blocks: Bl
         _heads_first(do_BTNH.astype(q_BTNH.dtype), t_p),
         _row_stat(lse_BTN, t_p),
         _row_stat(delta_BTN, t_p),
-        masks,
+        mask,
         st,
     )
     dq_BNTH = _dq(*args, *dq_blocks, backend)
@@ -456,56 +430,49 @@ def _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st, blocks: Bl
     return _heads_last(dq_BNTH, t), _heads_last(dk_BKSH, s), _heads_last(dv_BKSH, s)
 
 
-def _prepare(
-    q_BTNH,
-    k_BSKH,
-    v_BSKH,
-    causal,
-    segment_ids,
-    kv_segment_ids,
-    q_positions,
-    kv_positions,
-    sliding_window,
-    scale,
-):
-    """Validated shapes, the four mask arrays (segments may be None) and the static settings."""
+def _prepare(q_BTNH, k_BSKH, v_BSKH, mask: Mask, scale, block_sizes, interpret):
+    """The filled mask and the static arguments of the jitted paths: settings, block sizes, platform."""
     reference.check_shapes(q_BTNH, k_BSKH, v_BSKH)
-    masks = reference.mask_args(q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions)
+    mask = mask.filled(q_BTNH, k_BSKH)
     st = _Static(
-        causal=bool(causal),
-        sliding_window=sliding_window,
+        causal=mask.causal,
+        sliding_window=mask.sliding_window,
         scale=float(q_BTNH.shape[3] ** -0.5 if scale is None else scale),
         t=q_BTNH.shape[1],
         s=k_BSKH.shape[1],
-        has_segments=masks[0] is not None,
+        has_segments=mask.segment_ids is not None,
     )
-    return masks, st
+    blocks = BlockSizes() if block_sizes is None else block_sizes
+    for name, value in vars(blocks).items():
+        if value % _MIN_BLOCK:
+            raise ValueError(f"BlockSizes.{name}={value!r}: flash attention needs a multiple of {_MIN_BLOCK}")
+    return mask, st, blocks, _platform(interpret, q_BTNH)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _fwd_jit(q_BTNH, k_BSKH, v_BSKH, masks, st, blocks, platform):
-    return _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st, blocks, platform)
+def _fwd_jit(q_BTNH, k_BSKH, v_BSKH, mask, st, blocks, platform):
+    return _fwd(q_BTNH, k_BSKH, v_BSKH, mask, st, blocks, platform)
 
 
 @functools.partial(jax.jit, static_argnums=(7, 8, 9))
-def _bwd_jit(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st, blocks, platform):
-    return _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st, blocks, platform)
+def _bwd_jit(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, mask, st, blocks, platform):
+    return _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, mask, st, blocks, platform)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q_BTNH, k_BSKH, v_BSKH, masks, st, blocks, platform):
-    return _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st, blocks, platform)[0]
+def _attention(q_BTNH, k_BSKH, v_BSKH, mask, st, blocks, platform):
+    return _fwd(q_BTNH, k_BSKH, v_BSKH, mask, st, blocks, platform)[0]
 
 
-def _attention_fwd_rule(q_BTNH, k_BSKH, v_BSKH, masks, st, blocks, platform):
-    o_BTNH, lse_BTN = _fwd(q_BTNH, k_BSKH, v_BSKH, masks, st, blocks, platform)
-    return o_BTNH, (q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, masks)
+def _attention_fwd_rule(q_BTNH, k_BSKH, v_BSKH, mask, st, blocks, platform):
+    o_BTNH, lse_BTN = _fwd(q_BTNH, k_BSKH, v_BSKH, mask, st, blocks, platform)
+    return o_BTNH, (q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, mask)
 
 
 def _attention_bwd_rule(st, blocks, platform, residuals, do_BTNH):
-    q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, masks = residuals
-    grads = _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st, blocks, platform)
-    return (*grads, tuple(None for _ in masks))  # integer mask arrays: no cotangent
+    q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, mask = residuals
+    grads = _bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, mask, st, blocks, platform)
+    return (*grads, None)  # integer mask arrays: no cotangent
 
 
 _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
@@ -516,32 +483,15 @@ def flash_attention_fwd(
     q_BTNH,
     k_BSKH,
     v_BSKH,
+    mask: Mask,
     *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ):
-    """Forward kernel: (o_BTNH in q's dtype, lse_BTN f32). Masking arguments as in `reference.py`."""
-    masks, st = _prepare(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        causal,
-        segment_ids,
-        kv_segment_ids,
-        q_positions,
-        kv_positions,
-        sliding_window,
-        scale,
-    )
+    """Forward kernel: (o_BTNH in q's dtype, lse_BTN f32)."""
     return _fwd_jit(
-        q_BTNH, k_BSKH, v_BSKH, masks, st, block_sizes or BlockSizes(), _platform(interpret, q_BTNH)
+        q_BTNH, k_BSKH, v_BSKH, *_prepare(q_BTNH, k_BSKH, v_BSKH, mask, scale, block_sizes, interpret)
     )
 
 
@@ -552,13 +502,8 @@ def flash_attention_bwd(
     o_BTNH,
     lse_BTN,
     do_BTNH,
+    mask: Mask,
     *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
@@ -569,50 +514,21 @@ def flash_attention_bwd(
     calls (ring attention), pass the merged o / lse and this call's keys; the gradients are this key
     block's share of dq and its exact dk, dv.
     """
-    masks, st = _prepare(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        causal,
-        segment_ids,
-        kv_segment_ids,
-        q_positions,
-        kv_positions,
-        sliding_window,
-        scale,
-    )
-    blocks = block_sizes or BlockSizes()
-    platform = _platform(interpret, q_BTNH)
-    return _bwd_jit(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, masks, st, blocks, platform)
+    static = _prepare(q_BTNH, k_BSKH, v_BSKH, mask, scale, block_sizes, interpret)
+    return _bwd_jit(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BTN, do_BTNH, *static)
 
 
 def flash_attention(
     q_BTNH,
     k_BSKH,
     v_BSKH,
+    mask: Mask,
     *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ):
     """Differentiable flash attention -> o_BTNH (custom_vjp: the backward kernels recompute p from lse)."""
-    masks, st = _prepare(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        causal,
-        segment_ids,
-        kv_segment_ids,
-        q_positions,
-        kv_positions,
-        sliding_window,
-        scale,
+    return _attention_jit(
+        q_BTNH, k_BSKH, v_BSKH, *_prepare(q_BTNH, k_BSKH, v_BSKH, mask, scale, block_sizes, interpret)
     )
-    blocks = block_sizes or BlockSizes()
-    return _attention_jit(q_BTNH, k_BSKH, v_BSKH, masks, st, blocks, _platform(interpret, q_BTNH))

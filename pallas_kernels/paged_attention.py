@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import reference
+from pallas_kernels.mask import Mask, allowed
 from pallas_kernels.reference import MASK_VALUE
 
 IMPLS = ("xla", "pallas", "pallas_prefetch", "pallas_gather")
@@ -65,9 +66,11 @@ def paged_attention_reference(q_BNH, k_pages_KPLH, v_pages_KPLH, lengths_B, page
         q_BNH[:, None],
         contiguous(k_pages_KPLH),
         contiguous(v_pages_KPLH),
-        causal=True,
-        q_positions=lengths_B[:, None] - 1,
-        kv_positions=jnp.broadcast_to(pos_S[None], (b, m * page)),
+        Mask(
+            causal=True,
+            q_positions=_query_position(lengths_B[:, None]),
+            kv_positions=jnp.broadcast_to(pos_S[None], (b, m * page)),
+        ),
         scale=scale,
     )
     return o_B1NH[:, 0]
@@ -139,6 +142,16 @@ def paged_attention(
     return o_BKGH.reshape(b, n, h).astype(q_BNH.dtype)
 
 
+def _query_position(length):
+    """The decode query is the last token of its sequence."""
+    return length - 1
+
+
+def _attends(length, kv_pos):
+    """The package's mask for a decode query: causal, from the last of `length` tokens to keys at kv_pos."""
+    return allowed(_query_position(length), kv_pos, None, None, causal=True, sliding_window=None)
+
+
 def merge_blocks(o_BKJGH, lse_BKJG):
     """Merges the J block partials exactly (the vectorised `reference.merge_partials`); f32 in and out.
 
@@ -183,7 +196,7 @@ def _xla_block(q_BKGH, k_pages_KPLH, v_pages_KPLH, lengths_B, table_BC, scale, r
     k_KBCLH = gather_pages(k_pages_KPLH, table_BC, rows_K)
     v_KBCLH = gather_pages(v_pages_KPLH, table_BC, rows_K)
     pos_CL = jnp.arange(c * page, dtype=jnp.int32).reshape(c, page)
-    ok_BCL = pos_CL[None] < lengths_B[:, None, None]
+    ok_BCL = _attends(lengths_B[:, None, None], pos_CL[None])
     s_BKGCL = jnp.einsum("bkgh,kbclh->bkgcl", q_BKGH.astype(jnp.float32), k_KBCLH.astype(jnp.float32))
     ok = ok_BCL[:, None, None]
     s_BKGCL = jnp.where(ok, s_BKGCL * scale, MASK_VALUE)
@@ -217,8 +230,8 @@ def _page_step(q_GH, k_LH, v_LH, start, length, carry, scale):
     s_GL = lax.dot_general(
         q_GH.astype(dtype), k_LH.astype(dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
-    ok_1L = start + lax.broadcasted_iota(jnp.int32, (1, page), 1) < length
-    ok_L1 = start + lax.broadcasted_iota(jnp.int32, (page, 1), 0) < length
+    ok_1L = _attends(length, start + lax.broadcasted_iota(jnp.int32, (1, page), 1))
+    ok_L1 = _attends(length, start + lax.broadcasted_iota(jnp.int32, (page, 1), 0))
     s_GL = jnp.where(ok_1L, s_GL * scale, MASK_VALUE)
     m_new = jnp.maximum(m_G1, jnp.max(s_GL, axis=1, keepdims=True))
     p_GL = jnp.where(ok_1L, jnp.exp(s_GL - m_new), 0.0)

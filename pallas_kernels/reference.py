@@ -5,13 +5,7 @@ heads per kv head, H head dim.
 
 Layout is the model's: q_BTNH, k_BSKH, v_BSKH -> o_BTNH, and a log-sum-exp lse_BTN in f32.
 
-Masking. Query i may attend key j when all of these hold:
-  - causal:          q_positions[i] >= kv_positions[j]
-  - sliding_window w: q_positions[i] - kv_positions[j] < w (and, when not causal, also
-                      kv_positions[j] - q_positions[i] < w)
-  - segment ids:     segment_ids[i] == kv_segment_ids[j] (packed sequences)
-`q_positions` / `kv_positions` are token indices in the full sequence (default 0..T-1 / 0..S-1),
-not RoPE positions: ring attention passes global indices, and the zigzag layout permutes them.
+Masking is `mask.Mask`'s rule; every entry point takes one `Mask`.
 
 A row with no allowed key gives o = 0 and lse = MASK_VALUE (finite), never NaN, so partial results
 of several key blocks merge through `merge_partials` without special cases.
@@ -23,43 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mask import Mask, full_mask
+
 # Finite: exp(MASK_VALUE - m) underflows to 0 for any real m, and MASK_VALUE - MASK_VALUE is 0, not NaN.
 MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # exactly representable in f32
-
-
-def allowed(q_pos, k_pos, q_seg, k_seg, *, causal: bool, sliding_window: int | None):
-    """Boolean mask from broadcastable position / segment arrays (q along rows, k along columns).
-
-    Pure elementwise jnp, so kernels call it on their blocks (Pallas included). `q_seg`/`k_seg` may be None.
-    """
-    ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), bool)
-    if causal:
-        ok = ok & (q_pos >= k_pos)
-    if sliding_window is not None:
-        ok = ok & (q_pos - k_pos < sliding_window)
-        if not causal:
-            ok = ok & (k_pos - q_pos < sliding_window)
-    if q_seg is not None:
-        ok = ok & (q_seg == k_seg)
-    return ok
-
-
-def mask_args(q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions):
-    """Fills the defaults of the masking arguments: int32 arrays [B, T] and [B, S] (segments may be None)."""
-    b, t, s = q_BTNH.shape[0], q_BTNH.shape[1], k_BSKH.shape[1]
-    if kv_segment_ids is None:
-        kv_segment_ids = segment_ids
-    if (segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("segment_ids and kv_segment_ids: give both or neither (kv defaults to segment_ids)")
-    if segment_ids is not None and kv_segment_ids.shape != (b, s):
-        raise ValueError(
-            f"kv_segment_ids: shape {kv_segment_ids.shape}, expected {(b, s)}; pass it when S != T"
-        )
-    if q_positions is None:
-        q_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    if kv_positions is None:
-        kv_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-    return segment_ids, kv_segment_ids, q_positions, kv_positions
 
 
 def check_shapes(q_BTNH, k_BSKH, v_BSKH) -> None:
@@ -72,32 +33,12 @@ def check_shapes(q_BTNH, k_BSKH, v_BSKH) -> None:
         raise ValueError(f"num query heads {n} must be a multiple of num kv heads {k_BSKH.shape[2]}")
 
 
-def _full_mask(q_BTNH, k_BSKH, causal, segment_ids, kv_segment_ids, q_positions, kv_positions, window):
-    """The whole [B, T, S] boolean mask (the reference paths only: kernels build it block by block)."""
-    q_seg, k_seg, q_pos, k_pos = mask_args(
-        q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions
-    )
-    return allowed(
-        q_pos[:, :, None],
-        k_pos[:, None, :],
-        None if q_seg is None else q_seg[:, :, None],
-        None if k_seg is None else k_seg[:, None, :],
-        causal=causal,
-        sliding_window=window,
-    )
-
-
 def attention_reference(
     q_BTNH,
     k_BSKH,
     v_BSKH,
+    mask: Mask,
     *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
     scale: float | None = None,
     return_lse: bool = False,
 ):
@@ -106,9 +47,7 @@ def attention_reference(
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     scale = h**-0.5 if scale is None else scale
-    ok_BTS = _full_mask(
-        q_BTNH, k_BSKH, causal, segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window
-    )
+    ok_BTS = full_mask(mask.filled(q_BTNH, k_BSKH))
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
     ok = ok_BTS[:, None, None]
@@ -134,11 +73,11 @@ def merge_partials(o1_BTNH, lse1_BTN, o2_BTNH, lse2_BTN):
     return o1_BTNH * w1 + o2_BTNH * w2, lse_BTN
 
 
-def attention_reference_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, **mask_kwargs):
+def attention_reference_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, mask: Mask, *, scale: float | None = None):
     """(dq, dk, dv) of the reference by autodiff: what every kernel's backward must reproduce."""
 
     def f(q, k, v):
-        return attention_reference(q, k, v, **mask_kwargs)
+        return attention_reference(q, k, v, mask, scale=scale)
 
     _, vjp = jax.vjp(f, q_BTNH, k_BSKH, v_BSKH)
     return vjp(do_BTNH)
@@ -151,13 +90,8 @@ def attention_reference_bwd_from_lse(
     o_BTNH,
     lse_BTN,
     do_BTNH,
+    mask: Mask,
     *,
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
     scale: float | None = None,
 ):
     """(dq, dk, dv) for one key block given the FINAL o and lse of the full attention.
@@ -171,9 +105,7 @@ def attention_reference_bwd_from_lse(
     kv = k_BSKH.shape[2]
     g = n // kv
     scale = h**-0.5 if scale is None else scale
-    ok_BTS = _full_mask(
-        q_BTNH, k_BSKH, causal, segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window
-    )
+    ok_BTS = full_mask(mask.filled(q_BTNH, k_BSKH))
     f32 = jnp.float32
     q_BTKGH = q_BTNH.astype(f32).reshape(b, t, kv, g, h)
     do_BTKGH = do_BTNH.astype(f32).reshape(b, t, kv, g, h)

@@ -19,6 +19,7 @@ the package's fwd/bwd contract: `chunked` (plain XLA, O(T) memory; default), `fl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -26,53 +27,51 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import reference
+from pallas_kernels import chunked_attention, flash_attention, reference
+from pallas_kernels.blocks import BlockSizes
+from pallas_kernels.mask import Mask, blocks_may_attend
 
 
 class _Static(NamedTuple):
     axis_name: str
-    causal: bool
-    sliding_window: int | None
     scale: float | None
     block_impl: str
-    block_sizes: object
+    block_sizes: BlockSizes | None
 
 
-def _reference_fwd(q, k, v, **kw):
-    kw.pop("block_sizes", None)
-    return reference.attention_reference(q, k, v, return_lse=True, **kw)
+def _reference_fwd(q, k, v, mask, *, scale, block_sizes):
+    return reference.attention_reference(q, k, v, mask, scale=scale, return_lse=True)
 
 
-def _reference_bwd(q, k, v, o, lse, do, **kw):
-    kw.pop("block_sizes", None)
-    return reference.attention_reference_bwd_from_lse(q, k, v, o, lse, do, **kw)
+def _reference_bwd(q, k, v, o, lse, do, mask, *, scale, block_sizes):
+    return reference.attention_reference_bwd_from_lse(q, k, v, o, lse, do, mask, scale=scale)
+
+
+# Block kernels by name: (fwd, bwd) with the package's contract, called as (..., mask, scale=, block_sizes=).
+BLOCK_KERNELS = {
+    "chunked": (chunked_attention.chunked_attention_fwd, chunked_attention.chunked_attention_bwd),
+    "flash": (flash_attention.flash_attention_fwd, flash_attention.flash_attention_bwd),
+    "reference": (_reference_fwd, _reference_bwd),
+}
 
 
 def _block_kernels(name: str):
-    """(fwd, bwd) of a block kernel; imported lazily so each kernel module stays optional."""
-    if name == "reference":
-        return _reference_fwd, _reference_bwd
-    if name == "chunked":
-        from pallas_kernels import chunked_attention as m
-
-        return m.chunked_attention_fwd, m.chunked_attention_bwd
-    if name == "flash":
-        from pallas_kernels import flash_attention as m
-
-        return m.flash_attention_fwd, m.flash_attention_bwd
-    raise ValueError(f"block_impl={name!r}: use 'chunked', 'flash' or 'reference'")
+    if name not in BLOCK_KERNELS:
+        raise ValueError(f"block_impl={name!r}: use 'chunked', 'flash' or 'reference'")
+    return BLOCK_KERNELS[name]
 
 
-def _any_allowed(q_pos_BT, kv_pos_BS, st: _Static) -> jax.Array:
+def _any_allowed(mask: Mask, kv_pos_BS) -> jax.Array:
     """False only when no (query, key) pair of the two blocks can be allowed (a conservative test)."""
-    ok = jnp.bool_(True)
-    if st.causal:
-        ok = ok & (jnp.min(kv_pos_BS) <= jnp.max(q_pos_BT))
-    if st.sliding_window is not None:
-        ok = ok & (jnp.min(q_pos_BT) - jnp.max(kv_pos_BS) < st.sliding_window)
-        if not st.causal:
-            ok = ok & (jnp.min(kv_pos_BS) - jnp.max(q_pos_BT) < st.sliding_window)
-    return ok
+    q_pos_BT = mask.q_positions
+    return blocks_may_attend(
+        jnp.min(q_pos_BT),
+        jnp.max(q_pos_BT),
+        jnp.min(kv_pos_BS),
+        jnp.max(kv_pos_BS),
+        causal=mask.causal,
+        sliding_window=mask.sliding_window,
+    )
 
 
 def _ring_perm(axis_name: str) -> list[tuple[int, int]]:
@@ -80,20 +79,12 @@ def _ring_perm(axis_name: str) -> list[tuple[int, int]]:
     return [(i, (i + 1) % p) for i in range(p)]
 
 
-def _mask_kwargs(st: _Static, q_pos, kv_pos, q_seg, kv_seg) -> dict:
-    return dict(
-        causal=st.causal,
-        segment_ids=q_seg,
-        kv_segment_ids=kv_seg,
-        q_positions=q_pos,
-        kv_positions=kv_pos,
-        sliding_window=st.sliding_window,
-        scale=st.scale,
-        block_sizes=st.block_sizes,
-    )
+def _with_keys(mask: Mask, kv_pos, kv_seg) -> Mask:
+    """The mask of this device's queries against the key block now here."""
+    return dataclasses.replace(mask, kv_positions=kv_pos, kv_segment_ids=kv_seg)
 
 
-def _forward(st: _Static, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+def _forward(st: _Static, q, k, v, mask: Mask):
     fwd, _ = _block_kernels(st.block_impl)
     perm = _ring_perm(st.axis_name)
     b, t, n, h = q.shape
@@ -103,13 +94,15 @@ def _forward(st: _Static, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
         k_c, v_c, pos_c, seg_c = kv_block
 
         def compute():
-            o_i, lse_i = fwd(q, k_c, v_c, **_mask_kwargs(st, q_pos, pos_c, q_seg, seg_c))
+            o_i, lse_i = fwd(
+                q, k_c, v_c, _with_keys(mask, pos_c, seg_c), scale=st.scale, block_sizes=st.block_sizes
+            )
             return o_i.astype(f32), lse_i
 
         def empty():
             return jnp.zeros((b, t, n, h), f32), jnp.full((b, t, n), reference.MASK_VALUE, f32)
 
-        return jax.lax.cond(_any_allowed(q_pos, pos_c, st), compute, empty)
+        return jax.lax.cond(_any_allowed(mask, pos_c), compute, empty)
 
     def step(carry, _):
         kv_block, o, lse = carry
@@ -119,7 +112,7 @@ def _forward(st: _Static, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
         return (nxt, o, lse), None
 
     init = (
-        (k, v, kv_pos, kv_seg),
+        (k, v, mask.kv_positions, mask.kv_segment_ids),
         jnp.zeros((b, t, n, h), f32),
         jnp.full((b, t, n), reference.MASK_VALUE, f32),
     )
@@ -130,20 +123,23 @@ def _forward(st: _Static, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def _backward(st: _Static, res, do):
-    q, k, v, o, lse, q_pos, kv_pos, q_seg, kv_seg = res
+    q, k, v, o, lse, mask = res
     _, bwd = _block_kernels(st.block_impl)
     perm = _ring_perm(st.axis_name)
     f32 = jnp.float32
 
     def block_grads(k_c, v_c, pos_c, seg_c):
         def compute():
-            dq_i, dk_i, dv_i = bwd(q, k_c, v_c, o, lse, do, **_mask_kwargs(st, q_pos, pos_c, q_seg, seg_c))
+            mask_c = _with_keys(mask, pos_c, seg_c)
+            dq_i, dk_i, dv_i = bwd(
+                q, k_c, v_c, o, lse, do, mask_c, scale=st.scale, block_sizes=st.block_sizes
+            )
             return dq_i.astype(f32), dk_i.astype(f32), dv_i.astype(f32)
 
         def empty():
             return jnp.zeros(q.shape, f32), jnp.zeros(k_c.shape, f32), jnp.zeros(v_c.shape, f32)
 
-        return jax.lax.cond(_any_allowed(q_pos, pos_c, st), compute, empty)
+        return jax.lax.cond(_any_allowed(mask, pos_c), compute, empty)
 
     def step(carry, _):
         (k_c, v_c, pos_c, seg_c), dk_acc, dv_acc, dq = carry
@@ -153,20 +149,21 @@ def _backward(st: _Static, res, do):
         dk_acc, dv_acc = jax.lax.ppermute((dk_acc + dk_i, dv_acc + dv_i), st.axis_name, perm)
         return (kv_next, dk_acc, dv_acc, dq + dq_i), None
 
-    init = ((k, v, kv_pos, kv_seg), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), jnp.zeros(q.shape, f32))
+    kv_block = (k, v, mask.kv_positions, mask.kv_segment_ids)
+    init = (kv_block, jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), jnp.zeros(q.shape, f32))
     p = jax.lax.axis_size(st.axis_name)
     (_, dk, dv, dq), _ = jax.lax.scan(step, init, None, length=p)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(st: _Static, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    return _forward(st, q, k, v, q_pos, kv_pos, q_seg, kv_seg)[0]
+def _ring(st: _Static, q, k, v, mask: Mask):
+    return _forward(st, q, k, v, mask)[0]
 
 
-def _ring_fwd(st, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    o, lse = _forward(st, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-    return o, (q, k, v, o, lse, q_pos, kv_pos, q_seg, kv_seg)
+def _ring_fwd(st, q, k, v, mask: Mask):
+    o, lse = _forward(st, q, k, v, mask)
+    return o, (q, k, v, o, lse, mask)
 
 
 _ring.defvjp(_ring_fwd, _backward)
@@ -176,17 +173,12 @@ def ring_attention(
     q_BTNH,
     k_BSKH,
     v_BSKH,
+    mask: Mask,
     *,
     axis_name: str = "sequence",
-    causal: bool,
-    segment_ids=None,
-    kv_segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    sliding_window: int | None = None,
     scale: float | None = None,
     block_impl: str = "chunked",
-    block_sizes=None,
+    block_sizes: BlockSizes | None = None,
 ):
     """Attention over the whole sequence from this device's shard; call inside `jax.shard_map`.
 
@@ -198,15 +190,16 @@ def ring_attention(
     _block_kernels(block_impl)
     b, t, s = q_BTNH.shape[0], q_BTNH.shape[1], k_BSKH.shape[1]
     idx = jax.lax.axis_index(axis_name)
-    if q_positions is None:
-        q_positions = jnp.broadcast_to((idx * t + jnp.arange(t, dtype=jnp.int32))[None], (b, t))
-    if kv_positions is None:
-        kv_positions = jnp.broadcast_to((idx * s + jnp.arange(s, dtype=jnp.int32))[None], (b, s))
-    q_seg, kv_seg, q_pos, kv_pos = reference.mask_args(
-        q_BTNH, k_BSKH, segment_ids, kv_segment_ids, q_positions, kv_positions
-    )
-    st = _Static(axis_name, causal, sliding_window, scale, block_impl, block_sizes)
-    return _ring(st, q_BTNH, k_BSKH, v_BSKH, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), q_seg, kv_seg)
+    if mask.q_positions is None:
+        mask = dataclasses.replace(
+            mask, q_positions=jnp.broadcast_to((idx * t + jnp.arange(t, dtype=jnp.int32))[None], (b, t))
+        )
+    if mask.kv_positions is None:
+        mask = dataclasses.replace(
+            mask, kv_positions=jnp.broadcast_to((idx * s + jnp.arange(s, dtype=jnp.int32))[None], (b, s))
+        )
+    st = _Static(axis_name, scale, block_impl, block_sizes)
+    return _ring(st, q_BTNH, k_BSKH, v_BSKH, mask.filled(q_BTNH, k_BSKH))
 
 
 def zigzag_order(t: int, num_shards: int) -> np.ndarray:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
+from pallas_kernels.blocks import BlockSizes
 from pallas_kernels.chunked_attention import (
-    BlockSizes,
     _live_blocks,
     _Side,
     _side,
@@ -22,6 +22,7 @@ from pallas_kernels.chunked_attention import (
     chunked_attention_bwd,
     chunked_attention_fwd,
 )
+from pallas_kernels.mask import Mask, allowed
 
 # f32: the same terms as the reference, summed in blocks and in another order (max error seen 1.2e-6).
 F32_TOL = 1e-5
@@ -99,18 +100,17 @@ def _inputs(case: Case, b: int = 2, h: int = 8, seed: int = 0):
 
 def _everything(case: Case, qkv_do, arrays):
     """One jit per case: ours (o, lse, direct-bwd grads, VJP grads) and the reference (o, lse, grads)."""
-    static = dict(causal=case.causal, sliding_window=case.window)
 
     @jax.jit
     def run(q, k, v, do, arrays):
-        kw = dict(static, **arrays)
-        o, lse = chunked_attention_fwd(q, k, v, block_sizes=case.blocks, **kw)
-        direct = chunked_attention_bwd(q, k, v, o, lse, do, block_sizes=case.blocks, **kw)
+        mask = Mask(causal=case.causal, sliding_window=case.window, **arrays)
+        o, lse = chunked_attention_fwd(q, k, v, mask, block_sizes=case.blocks)
+        direct = chunked_attention_bwd(q, k, v, o, lse, do, mask, block_sizes=case.blocks)
         o_vjp, vjp = jax.vjp(
-            lambda q, k, v: chunked_attention(q, k, v, block_sizes=case.blocks, **kw), q, k, v
+            lambda q, k, v: chunked_attention(q, k, v, mask, block_sizes=case.blocks), q, k, v
         )
-        want_o, want_lse = reference.attention_reference(q, k, v, return_lse=True, **kw)
-        want_grads = reference.attention_reference_bwd(q, k, v, do, **kw)
+        want_o, want_lse = reference.attention_reference(q, k, v, mask, return_lse=True)
+        want_grads = reference.attention_reference_bwd(q, k, v, do, mask)
         return (o, lse, direct, o_vjp, vjp(do)), (want_o, want_lse, want_grads)
 
     return run(*qkv_do, arrays)
@@ -142,25 +142,25 @@ def test_ring_parts_over_two_key_halves_equal_the_whole():
     case = Case(37, 50, 4, 2, jnp.float32, True, BlockSizes(16, 16), positions="suffix")
     (q, k, v, do), arrays = _inputs(case)
     q_pos, kv_pos = arrays["q_positions"], arrays["kv_positions"]
-    kw = dict(causal=True, block_sizes=case.blocks)
     halves = (slice(0, 25), slice(25, 50))  # equal shapes: one compile of each part serves both halves
-    fwd = jax.jit(functools.partial(chunked_attention_fwd, **kw))
-    parts = [fwd(q, k[:, h], v[:, h], q_positions=q_pos, kv_positions=kv_pos[:, h]) for h in halves]
+    masks = [Mask(causal=True, q_positions=q_pos, kv_positions=kv_pos[:, h]) for h in halves]
+    fwd = jax.jit(functools.partial(chunked_attention_fwd, block_sizes=case.blocks))
+    parts = [fwd(q, k[:, h], v[:, h], mask) for h, mask in zip(halves, masks)]
     o, lse = reference.merge_partials(parts[0][0], parts[0][1], parts[1][0], parts[1][1])
 
     @jax.jit
     def want(q, k, v, do, q_pos, kv_pos):
-        ref_kw = dict(causal=True, q_positions=q_pos, kv_positions=kv_pos)
-        o, lse = reference.attention_reference(q, k, v, return_lse=True, **ref_kw)
-        return o, lse, reference.attention_reference_bwd(q, k, v, do, **ref_kw)
+        mask = Mask(causal=True, q_positions=q_pos, kv_positions=kv_pos)
+        o, lse = reference.attention_reference(q, k, v, mask, return_lse=True)
+        return o, lse, reference.attention_reference_bwd(q, k, v, do, mask)
 
     want_o, want_lse, (want_dq, want_dk, want_dv) = want(q, k, v, do, q_pos, kv_pos)
     np.testing.assert_allclose(o, want_o, atol=F32_TOL, rtol=F32_TOL)
     np.testing.assert_allclose(lse, want_lse, atol=F32_TOL, rtol=F32_TOL)
 
-    bwd = jax.jit(functools.partial(chunked_attention_bwd, **kw))
+    bwd = jax.jit(functools.partial(chunked_attention_bwd, block_sizes=case.blocks))
     (dq0, dk0, dv0), (dq1, dk1, dv1) = [
-        bwd(q, k[:, h], v[:, h], o, lse, do, q_positions=q_pos, kv_positions=kv_pos[:, h]) for h in halves
+        bwd(q, k[:, h], v[:, h], o, lse, do, mask) for h, mask in zip(halves, masks)
     ]
     np.testing.assert_allclose(dq0 + dq1, want_dq, atol=F32_TOL, rtol=F32_TOL)
     np.testing.assert_allclose(jnp.concatenate([dk0, dk1], 1), want_dk, atol=F32_TOL, rtol=F32_TOL)
@@ -211,7 +211,7 @@ def test_skipped_blocks_are_never_computed():
 
     @jax.jit
     def run(q, k, v, do):
-        f = functools.partial(chunked_attention, causal=True, block_sizes=case.blocks)
+        f = functools.partial(chunked_attention, mask=Mask(causal=True), block_sizes=case.blocks)
         o, vjp = jax.vjp(f, q, k, v)
         return o, vjp(do)
 
@@ -220,7 +220,7 @@ def test_skipped_blocks_are_never_computed():
     np.testing.assert_array_equal(dk[:, 32:], 0.0)
     np.testing.assert_array_equal(dv[:, 32:], 0.0)
     np.testing.assert_allclose(
-        o, reference.attention_reference(q, k[:, :16], v[:, :16], causal=True), atol=F32_TOL
+        o, reference.attention_reference(q, k[:, :16], v[:, :16], Mask(causal=True)), atol=F32_TOL
     )
 
 
@@ -234,9 +234,9 @@ def test_a_dead_single_pair_gives_the_skipped_result():
 
     @jax.jit
     def run(q, k, v, do):
-        f = functools.partial(chunked_attention, causal=True, kv_positions=kv_pos)
-        o, vjp = jax.vjp(f, q, k, v)
-        lse = chunked_attention_fwd(q, k, v, causal=True, kv_positions=kv_pos)[1]
+        mask = Mask(causal=True, kv_positions=kv_pos)
+        o, vjp = jax.vjp(functools.partial(chunked_attention, mask=mask), q, k, v)
+        lse = chunked_attention_fwd(q, k, v, mask)[1]
         return o, lse, vjp(do)
 
     o, lse, grads = run(q, k, v, do)
@@ -255,7 +255,7 @@ def test_skipping_never_drops_an_allowed_pair(causal, window):
     seg = (pos >= jnp.array([[30], [70]])).astype(jnp.int32)
     side: _Side = _side(pos, seg, block)
     live = _live_blocks(side, side, _static(causal, window))
-    ok = reference.allowed(
+    ok = allowed(
         pos[:, :, None],
         pos[:, None, :],
         seg[:, :, None],
@@ -271,24 +271,24 @@ def test_skipping_never_drops_an_allowed_pair(causal, window):
 def test_bad_arguments_name_the_fix():
     q, k, v = jnp.zeros((2, 8, 3, 8)), jnp.zeros((2, 8, 2, 8)), jnp.zeros((2, 8, 2, 8))
     with pytest.raises(ValueError, match="multiple of num kv heads"):
-        chunked_attention(q, k, v, causal=True)
+        chunked_attention(q, k, v, Mask(causal=True))
     q = q[:, :, :2]
     with pytest.raises(ValueError, match="segment_ids: shape"):
-        chunked_attention(q, k, v, causal=True, segment_ids=jnp.zeros((8,), jnp.int32))
+        chunked_attention(q, k, v, Mask(causal=True, segment_ids=jnp.zeros((8,), jnp.int32)))
     with pytest.raises(ValueError, match="kv_segment_ids: shape"):
-        chunked_attention(q, k[:, :5], v[:, :5], causal=True, segment_ids=jnp.zeros((2, 8), jnp.int32))
+        chunked_attention(q, k[:, :5], v[:, :5], Mask(causal=True, segment_ids=jnp.zeros((2, 8), jnp.int32)))
     with pytest.raises(ValueError, match="sliding_window"):
-        chunked_attention(q, k, v, causal=True, sliding_window=0)
-    with pytest.raises(ValueError, match="block_q and block_kv must be positive"):
-        chunked_attention(q, k, v, causal=True, block_sizes=BlockSizes(0, 16))
+        chunked_attention(q, k, v, Mask(causal=True, sliding_window=0))
+    with pytest.raises(ValueError, match="block_q=0: expected a positive int"):
+        chunked_attention(q, k, v, Mask(causal=True), block_sizes=BlockSizes(0, 16))
     with pytest.raises(ValueError, match="lse"):
-        chunked_attention_bwd(q, k, v, q, jnp.zeros((2, 8)), q, causal=True)
+        chunked_attention_bwd(q, k, v, q, jnp.zeros((2, 8)), q, Mask(causal=True))
 
 
 def _temp_bytes(fn, t: int) -> int:
     q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, t, 1, 16), jnp.float32)
-    loss = lambda q, k, v: jnp.sum(fn(q, k, v, causal=True))
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v, Mask(causal=True)))
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 

@@ -13,6 +13,8 @@ import pytest
 
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import reference
+from pallas_kernels.blocks import BlockSizes
+from pallas_kernels.mask import Mask
 
 # f32: the same terms summed blockwise in another order (online softmax, per-block dq/dk/dv sums).
 TOL_F32 = dict(atol=1e-5, rtol=1e-5)
@@ -22,20 +24,16 @@ TOL_BF16 = dict(atol=1e-2, rtol=1e-2)
 # lse is f32 in both, computed from the same (possibly bf16) inputs with f32 scores.
 TOL_LSE = TOL_F32
 
-SMALL_BLOCKS = fa.BlockSizes(
+SMALL_BLOCKS = BlockSizes(
     block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
 )
-MIXED_BLOCKS = fa.BlockSizes(
+MIXED_BLOCKS = BlockSizes(
     block_q=32, block_kv=16, block_q_dkv=32, block_kv_dkv=16, block_q_dq=16, block_kv_dq=32
 )
 
 # Jitted once per configuration: op-by-op dispatch would compile every reference op for every shape.
-_reference = jax.jit(
-    reference.attention_reference, static_argnames=("causal", "sliding_window", "scale", "return_lse")
-)
-_reference_bwd = jax.jit(
-    reference.attention_reference_bwd, static_argnames=("causal", "sliding_window", "scale")
-)
+_reference = jax.jit(reference.attention_reference, static_argnames=("scale", "return_lse"))
+_reference_bwd = jax.jit(reference.attention_reference_bwd, static_argnames=("scale",))
 
 
 def _inputs(b, t, s, n, k, h, dtype=jnp.float32, seed=0):
@@ -65,13 +63,14 @@ def _assert_close(got, want, dtype):
 
 def _check_fwd_and_bwd(q, k, v, do, block_sizes, **mask_kwargs):
     """o and lse from the forward kernel; dq, dk, dv from the backward kernels fed that o and lse."""
-    o, lse = fa.flash_attention_fwd(q, k, v, block_sizes=block_sizes, **mask_kwargs)
-    want_o, want_lse = _reference(q, k, v, return_lse=True, **mask_kwargs)
+    mask = Mask(**mask_kwargs)
+    o, lse = fa.flash_attention_fwd(q, k, v, mask, block_sizes=block_sizes)
+    want_o, want_lse = _reference(q, k, v, mask, return_lse=True)
     chex.assert_trees_all_equal_shapes_and_dtypes((o, lse), (want_o, want_lse))
     _assert_close(o, want_o, q.dtype)
     np.testing.assert_allclose(lse, want_lse, **TOL_LSE)
-    grads = fa.flash_attention_bwd(q, k, v, o, lse, do, block_sizes=block_sizes, **mask_kwargs)
-    want_grads = _reference_bwd(q, k, v, do, **mask_kwargs)
+    grads = fa.flash_attention_bwd(q, k, v, o, lse, do, mask, block_sizes=block_sizes)
+    want_grads = _reference_bwd(q, k, v, do, mask)
     chex.assert_trees_all_equal_shapes_and_dtypes(grads, (q, k, v))
     for got, want in zip(grads, want_grads):
         _assert_close(got, want, q.dtype)
@@ -149,28 +148,28 @@ def test_bwd_takes_the_merged_o_and_lse_of_split_keys():
     q, k, v, do = _inputs(2, 40, 40, 4, 2, 8, seed=3)
     kv_pos = _positions(2, 0, 40)
     chunks = [slice(0, 20), slice(20, 40)]  # not block aligned; equal, so each kernel compiles once
-    kw = dict(causal=True, block_sizes=SMALL_BLOCKS)
-    parts = [fa.flash_attention_fwd(q, k[:, c], v[:, c], kv_positions=kv_pos[:, c], **kw) for c in chunks]
+    masks = [Mask(causal=True, kv_positions=kv_pos[:, c]) for c in chunks]
+    kw = dict(block_sizes=SMALL_BLOCKS)
+    parts = [fa.flash_attention_fwd(q, k[:, c], v[:, c], mask, **kw) for c, mask in zip(chunks, masks)]
     o, lse = reference.merge_partials(*parts[0], *parts[1])
-    want_o, want_lse = _reference(q, k, v, causal=True, return_lse=True)
+    want_o, want_lse = _reference(q, k, v, Mask(causal=True), return_lse=True)
     np.testing.assert_allclose(o, want_o, **TOL_F32)
     np.testing.assert_allclose(lse, want_lse, **TOL_F32)
     grads = [
-        fa.flash_attention_bwd(q, k[:, c], v[:, c], o, lse, do, kv_positions=kv_pos[:, c], **kw)
-        for c in chunks
+        fa.flash_attention_bwd(q, k[:, c], v[:, c], o, lse, do, mask, **kw) for c, mask in zip(chunks, masks)
     ]
     dq = grads[0][0] + grads[1][0]
     dk = jnp.concatenate([grads[0][1], grads[1][1]], axis=1)
     dv = jnp.concatenate([grads[0][2], grads[1][2]], axis=1)
-    for got, want in zip((dq, dk, dv), _reference_bwd(q, k, v, do, causal=True)):
+    for got, want in zip((dq, dk, dv), _reference_bwd(q, k, v, do, Mask(causal=True))):
         np.testing.assert_allclose(got, want, **TOL_F32)
 
 
 def test_vjp_of_flash_attention_under_jit():
     q, k, v, do = _inputs(2, 37, 37, 4, 2, 8, seed=1)
     seg = _packed_segments([[9], [20]], 37)
-    mask_kwargs = dict(causal=True, segment_ids=seg, sliding_window=5)
-    attend = functools.partial(fa.flash_attention, block_sizes=SMALL_BLOCKS, **mask_kwargs)
+    mask = Mask(causal=True, segment_ids=seg, sliding_window=5)
+    attend = functools.partial(fa.flash_attention, mask=mask, block_sizes=SMALL_BLOCKS)
 
     @jax.jit
     def o_and_grads(q, k, v, do):
@@ -178,8 +177,8 @@ def test_vjp_of_flash_attention_under_jit():
         return o, vjp(do)
 
     o, grads = o_and_grads(q, k, v, do)
-    np.testing.assert_allclose(o, _reference(q, k, v, **mask_kwargs), **TOL_F32)
-    for got, want in zip(grads, _reference_bwd(q, k, v, do, **mask_kwargs)):
+    np.testing.assert_allclose(o, _reference(q, k, v, mask), **TOL_F32)
+    for got, want in zip(grads, _reference_bwd(q, k, v, do, mask)):
         np.testing.assert_allclose(got, want, **TOL_F32)
 
 
@@ -187,11 +186,11 @@ def test_causal_skips_key_blocks_above_the_diagonal():
     # 4 x 4 blocks of 16: query block i needs key blocks 0..i, so 10 of 16 pairs; key block j is read by
     # query blocks j..3. A sliding window of 16 leaves the diagonal and the block just before it.
     st = fa._Static(causal=True, sliding_window=None, scale=1.0, t=64, s=64, has_segments=False)
-    masks = (None, None, _positions(1, 0, 64), _positions(1, 0, 64))
-    live = fa._live_blocks(masks, st, 64, 64, 16, 16)
+    mask = Mask(causal=True, q_positions=_positions(1, 0, 64), kv_positions=_positions(1, 0, 64))
+    live = fa._live_blocks(mask, st, 64, 64, 16, 16)
     np.testing.assert_array_equal(fa._live_range(live, axis=2), [0, 1, 0, 2, 0, 3, 0, 4])
     np.testing.assert_array_equal(fa._live_range(live, axis=1), [0, 4, 1, 4, 2, 4, 3, 4])
-    windowed = fa._live_blocks(masks, st._replace(sliding_window=16), 64, 64, 16, 16)
+    windowed = fa._live_blocks(mask, st._replace(sliding_window=16), 64, 64, 16, 16)
     np.testing.assert_array_equal(fa._live_range(windowed, axis=2), [0, 1, 0, 2, 1, 3, 2, 4])
 
 
@@ -207,7 +206,7 @@ def test_lowers_for_gpu_and_tpu(monkeypatch, platform, target, kernel_call):
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
 
     def loss(q, k, v, seg):
-        o = fa.flash_attention(q, k, v, causal=True, segment_ids=seg, sliding_window=64)
+        o = fa.flash_attention(q, k, v, Mask(causal=True, segment_ids=seg, sliding_window=64))
         return jnp.sum(o.astype(jnp.float32))
 
     exported = jax.export.export(
@@ -219,5 +218,6 @@ def test_lowers_for_gpu_and_tpu(monkeypatch, platform, target, kernel_call):
 
 
 def test_block_sizes_must_be_multiples_of_16():
+    q, k, v, _ = _inputs(1, 16, 16, 2, 1, 8)
     with pytest.raises(ValueError, match="block_kv_dq=24"):
-        fa.BlockSizes(block_kv_dq=24)
+        fa.flash_attention(q, k, v, Mask(causal=True), block_sizes=BlockSizes(block_kv_dq=24))

@@ -11,6 +11,7 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import reference
+from pallas_kernels.mask import Mask
 
 # f32: the same terms summed in a different order (blocks, pages).
 F32_TOL = 1e-5
@@ -89,7 +90,7 @@ def test_equals_causal_attention_on_contiguous_kv(impl):
     (q_BNH, k_KPLH, v_KPLH, lengths_B, table_BM), (k_BSKH, v_BSKH) = _case(LENGTHS, 4, 2, jnp.float32)
     # The decode query is the token at position length-1 of its sequence.
     want_B1NH = reference.attention_reference(
-        q_BNH[:, None], k_BSKH, v_BSKH, causal=True, q_positions=lengths_B[:, None] - 1
+        q_BNH[:, None], k_BSKH, v_BSKH, Mask(causal=True, q_positions=lengths_B[:, None] - 1)
     )
     args = (q_BNH, k_KPLH, v_KPLH, lengths_B, table_BM)
     if impl == "reference":

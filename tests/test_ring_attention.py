@@ -9,6 +9,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference, ring_attention
+from pallas_kernels.mask import Mask
 
 # f32; the ring sums the same terms as the reference, merged per block through the lse.
 ATOL = RTOL = 2e-5
@@ -38,11 +39,13 @@ def _ring_fn(mesh, *, causal, layout, block_impl, with_segments, window=None):
             q,
             k,
             v,
-            causal=causal,
-            segment_ids=seg if with_segments else None,
-            q_positions=pos,
-            kv_positions=pos,
-            sliding_window=window,
+            Mask(
+                causal=causal,
+                segment_ids=seg if with_segments else None,
+                q_positions=pos,
+                kv_positions=pos,
+                sliding_window=window,
+            ),
             block_impl=block_impl,
         )
 
@@ -80,8 +83,8 @@ def test_ring_equals_full_attention(p, causal, layout, segments, window, block_i
     b, t = 2, 32
     q, k, v, do = _inputs(b, t, 4, 2, 8)
     seg = (jnp.arange(t)[None, :] >= jnp.array([[5], [19]])).astype(jnp.int32)
-    mask = dict(causal=causal, segment_ids=seg if segments else None, sliding_window=window)
-    want_o, vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, **mask), q, k, v)
+    mask = Mask(causal=causal, segment_ids=seg if segments else None, sliding_window=window)
+    want_o, vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, mask), q, k, v)
     want_grads = vjp(do)
 
     f = _ring_fn(
