@@ -28,6 +28,8 @@ from flax import nnx
 
 from model import layers, rope, sharding
 from model.config import note_path
+from model.kv_cache import DenseCache, PagedCache
+from pallas_kernels.mask import Mask
 
 # Finite so that a fully masked row gives a uniform softmax (then zeroed), never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -121,13 +123,13 @@ def query_blocked_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids
 def chunked_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
     from pallas_kernels import chunked_attention as kernel
 
-    return kernel.chunked_attention(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
+    return kernel.chunked_attention(q_BTNH, k_BSKH, v_BSKH, Mask(causal=causal, segment_ids=segment_ids))
 
 
 def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
     from pallas_kernels import flash_attention as kernel
 
-    return kernel.flash_attention(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids=segment_ids)
+    return kernel.flash_attention(q_BTNH, k_BSKH, v_BSKH, Mask(causal=causal, segment_ids=segment_ids))
 
 
 def auto_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids=None) -> jax.Array:
@@ -169,16 +171,9 @@ def ring_self_attention(
     with_segments = segment_ids is not None
 
     def local(q, k, v, pos, seg):
-        return kernel.ring_attention(
-            q,
-            k,
-            v,
-            axis_name=axis,
-            causal=causal,
-            segment_ids=seg if with_segments else None,
-            q_positions=pos,
-            kv_positions=pos,
-        )
+        seg = seg if with_segments else None
+        mask = Mask(causal=causal, segment_ids=seg, q_positions=pos, kv_positions=pos)
+        return kernel.ring_attention(q, k, v, mask, axis_name=axis)
 
     # check_vma off: the ring's scan carries start replicated and become device-varying after a hop,
     # and the annotation API for that differs across the JAX versions we support.
@@ -227,14 +222,12 @@ def write_cache(cache_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) 
 
 
 def paged_cache_attention(
-    q_BTNH, k_BTKH, v_BTKH, cache: dict, *, scale: float | None = None, keys: tuple = ("k", "v")
-) -> tuple[jax.Array, dict]:
+    q_BTNH, k_BTKH, v_BTKH, cache: PagedCache, *, scale: float | None = None, keys: tuple = ("k", "v")
+) -> tuple[jax.Array, PagedCache]:
     """Writes the T new tokens' K/V into a paged cache and attends over each row's cached tokens.
 
-    `cache` (see `Transformer.__call__`): `k`/`v` [Lc * K, P, Lp, H] hold every layer's pages (layer i owns
-    rows i*K .. i*K + K - 1), `layer` this layer's index, `page_table` [B, M], `start` [B] tokens already
-    cached per row, `num_new` [B] how many of the T tokens are real (the rest is padding, written to the
-    null page 0 and never read). Token t of row b sits at position start + t. One new token per row
+    `cache` (`model.kv_cache.PagedCache`): its pages `k`/`v` [Lc * K, P, Lp, H] hold every layer's pages,
+    `layer` is this layer's index. Token t of row b sits at position start + t. One new token per row
     (decode) uses `pallas_kernels.paged_attention`; more (prefill chunks, speculative verification) gather
     the row's pages and attend causally by position.
 
@@ -247,18 +240,18 @@ def paged_cache_attention(
     kv = k_BTKH.shape[2]
     k_name, v_name = (keys[0], keys[-1])
     new = {k_name: k_BTKH} if v_BTKH is None else {k_name: k_BTKH, v_name: v_BTKH}
-    table_BM = cache["page_table"]
-    page = cache[k_name].shape[2]
-    start_B, num_new_B = cache["start"], cache["num_new"]
+    table_BM = cache.page_table
+    page = cache.pages[k_name].shape[2]
+    start_B, num_new_B = cache.start, cache.num_new
     pos_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid_BT = jnp.arange(t)[None, :] < num_new_B[:, None]
     page_idx_BT = jnp.minimum(pos_BT // page, table_BM.shape[1] - 1)
     page_BT = jnp.where(valid_BT, jnp.take_along_axis(table_BM, page_idx_BT, axis=1), 0)
     slot_BT = jnp.where(valid_BT, pos_BT % page, 0)
-    rows_K = cache["layer"] * kv + jnp.arange(kv, dtype=jnp.int32)
+    rows_K = cache.layer * kv + jnp.arange(kv, dtype=jnp.int32)
     idx = (rows_K[:, None, None], page_BT[None], slot_BT[None])
     pages = {
-        name: cache[name].at[idx].set(jnp.moveaxis(x, 2, 0).astype(cache[name].dtype))
+        name: cache.pages[name].at[idx].set(jnp.moveaxis(x, 2, 0).astype(cache.pages[name].dtype))
         for name, x in new.items()
     }
     k_all, v_all = pages[k_name], pages[v_name]
@@ -279,7 +272,7 @@ def paged_cache_attention(
         k_rows = rows(k_all).astype(q_BTNH.dtype)
         v_rows = k_rows if v_BTKH is None else rows(v_all).astype(q_BTNH.dtype)
         o_BTNH = _attend_gathered(q_BTNH, k_rows, v_rows, mask_BTS, scale)
-    return o_BTNH, dict(cache, **pages)
+    return o_BTNH, cache._replace(pages=dict(cache.pages, **pages))
 
 
 class Attention(nnx.Module):
@@ -310,8 +303,8 @@ class Attention(nnx.Module):
         positions_BT: jax.Array,
         *,
         segment_ids_BT: jax.Array | None = None,
-        cache: dict | None = None,
-    ) -> tuple[jax.Array, dict | None]:
+        cache: DenseCache | PagedCache | None = None,
+    ) -> tuple[jax.Array, DenseCache | PagedCache | None]:
         cdt = self.compute_dtype
         t = x_BTD.shape[1]
         x_BTD = x_BTD.astype(cdt)
@@ -335,19 +328,19 @@ class Attention(nnx.Module):
             fn = ATTENTION_IMPLS[self.impl]
             extra = dict(positions=positions_BT, rules=self.rules) if self.impl == "ring" else {}
             o_BTNH = fn(q_BTNH, k_BTKH, v_BTKH, causal=True, segment_ids=segment_ids_BT, **extra)
-        elif "page_table" in cache:
+        elif isinstance(cache, PagedCache):
             o_BTNH, cache = paged_cache_attention(q_BTNH, k_BTKH, v_BTKH, cache)
         else:
-            k_cache = write_cache(cache["k"], k_BTKH, cache["index"])
-            v_cache = write_cache(cache["v"], v_BTKH, cache["index"])
+            k_cache = write_cache(cache.arrays["k"], k_BTKH, cache.index)
+            v_cache = write_cache(cache.arrays["v"], v_BTKH, cache.index)
             o_BTNH = cached_attention(
                 q_BTNH,
                 k_cache.astype(cdt),
                 v_cache.astype(cdt),
-                cache["index"],
+                cache.index,
                 num_new=t,
             )
-            cache = {"k": k_cache, "v": v_cache, "index": cache["index"]}
+            cache = DenseCache({"k": k_cache, "v": v_cache}, cache.index)
         o_BTNH = sharding.constrain(o_BTNH.astype(cdt), act, self.rules)
         y_BTD = layers.matmul_rows(o_BTNH, self.o[...].astype(cdt), contract=2)
         return y_BTD, cache
