@@ -35,6 +35,11 @@ def _spec(
     }
 
 
+def _answer(expected: str) -> list[dict]:
+    """The checks of a task whose answer is the content of `answer.txt`."""
+    return [{"kind": "file", "path": "answer.txt", "expected": expected}]
+
+
 def _ts(rng: random.Random, i: int) -> str:
     return f"2024-03-{1 + i // 1440:02d}T{i // 60 % 24:02d}:{i % 60:02d}:{rng.randint(0, 59):02d}"
 
@@ -127,7 +132,7 @@ def _logs_count(rng: random.Random) -> dict:
         lines.append(f"{_ts(rng, i)} {level} {message}")
     prompt = "Write to `answer.txt` the number of lines of `app.log` whose level (second field) is ERROR."
     reference = ["awk '$2 == \"ERROR\"' app.log | wc -l > answer.txt"]
-    checks = [{"kind": "file", "path": "answer.txt", "expected": str(errors)}]
+    checks = _answer(str(errors))
     return _spec(prompt, {"app.log": "\n".join(lines) + "\n"}, reference, "awk", checks)
 
 
@@ -156,7 +161,7 @@ def _logs_request(rng: random.Random) -> dict:
         "awk '$2 == \"ERROR\" {print $3}' app.log | sort | uniq -c | sort -k1,1nr | head -n 1 "
         "| awk '{print $2}' | cut -d= -f2 > answer.txt"
     ]
-    checks = [{"kind": "file", "path": "answer.txt", "expected": ids[0]}]
+    checks = _answer(ids[0])
     return _spec(prompt, {"app.log": text}, reference, "uniq", checks)
 
 
@@ -180,7 +185,7 @@ def _logs_logins(rng: random.Random) -> dict:
         "zcat -f logs/* | grep 'login failed for user' | awk '{print $7}' | sort | uniq -c | sort -k1,1nr "
         "| head -n 1 | awk '{print $2}' > answer.txt"
     ]
-    checks = [{"kind": "file", "path": "answer.txt", "expected": users[0]}]
+    checks = _answer(users[0])
     return _spec(prompt, files, reference, "zcat", checks, setup=["gzip logs/auth-1.log"])
 
 
@@ -207,7 +212,7 @@ def _logs_latency(rng: random.Random) -> dict:
         'awk \'$4 == 200 {sub("ms", "", $5); s[$3] += $5; n[$3]++} END {for (p in s) printf "%s %d\\n", p, '
         "s[p] / n[p]}' access.log | sort -k2,2nr | head -n 1 > answer.txt"
     ]
-    checks = [{"kind": "file", "path": "answer.txt", "expected": f"{means[0][1]} {int(means[0][0])}"}]
+    checks = _answer(f"{means[0][1]} {int(means[0][0])}")
     return _spec(prompt, {"access.log": text}, reference, "awk", checks)
 
 
