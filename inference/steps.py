@@ -33,7 +33,7 @@ from flax import nnx
 
 from inference import layout, routing, sampling, speculative
 from inference.sampling import SamplingArrays
-from model.transformer import page_keys
+from model.kv_cache import PagedCache, page_keys
 
 
 def row_keys(seed_B, request_B, sample_B, step_B) -> jax.Array:
@@ -46,10 +46,10 @@ def row_keys(seed_B, request_B, sample_B, step_B) -> jax.Array:
     return jax.vmap(one)(seed_B, request_B, sample_B, step_B)
 
 
-def _cache(kv: dict, table_BM, start_B, num_new_B) -> dict:
+def _cache(kv: dict, table_BM, start_B, num_new_B) -> PagedCache:
     """The model's paged cache: its page arrays (GQA `k`/`v`, MLA `latent`) and this step's table."""
     pages = {name: kv[name] for name in page_keys(kv)}
-    return {**pages, "page_table": table_BM, "start": start_B, "num_new": num_new_B}
+    return PagedCache(pages, table_BM, start_B, num_new_B)
 
 
 def _forward(graphdef, params, kv, tokens_BT, table_BM, start_B, num_new_B, *, hidden: bool = False):

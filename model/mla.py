@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from model import layers, rope, sharding
+from model import attention, layers, rope, sharding
+from model.attention import ATTENTION_IMPLS
+from model.kv_cache import DenseCache, PagedCache
 
 LATENT_NORM_EPS = 1e-6
 
@@ -94,29 +96,27 @@ class MLAttention(nnx.Module):
         positions_BT: jax.Array,
         *,
         segment_ids_BT: jax.Array | None = None,
-        cache: dict | None = None,
-    ) -> tuple[jax.Array, dict | None]:
+        cache: DenseCache | PagedCache | None = None,
+    ) -> tuple[jax.Array, DenseCache | PagedCache | None]:
         cdt = self.compute_dtype
         x_BTD = x_BTD.astype(cdt)
         q_nope, q_rope, latent_BTC = self._project(x_BTD, positions_BT)
         if cache is None:
             o_BTNv = self._expanded(q_nope, q_rope, latent_BTC, positions_BT, segment_ids_BT)
         else:
-            from model import attention
-
             q_BTNC = self._latent_query(q_nope, q_rope)
             new_BT1C = latent_BTC[:, :, None, :]
-            if "page_table" in cache:
+            if isinstance(cache, PagedCache):
                 o_BTNC, cache = attention.paged_cache_attention(
                     q_BTNC, new_BT1C, None, cache, scale=1.0, keys=("latent",)
                 )
             else:
-                rows = attention.write_cache(cache["latent"], new_BT1C, cache["index"])
+                rows = attention.write_cache(cache.arrays["latent"], new_BT1C, cache.index)
                 rows_cdt = rows.astype(cdt)
                 o_BTNC = attention.cached_attention(
-                    q_BTNC, rows_cdt, rows_cdt, cache["index"], num_new=x_BTD.shape[1], scale=1.0
+                    q_BTNC, rows_cdt, rows_cdt, cache.index, num_new=x_BTD.shape[1], scale=1.0
                 )
-                cache = {"latent": rows, "index": cache["index"]}
+                cache = DenseCache({"latent": rows}, cache.index)
             o_BTNv = self._values(o_BTNC)
         act = ("act_batch", "act_length", "act_heads", None)
         o_BTNv = sharding.constrain(o_BTNv.astype(cdt), act, self.rules)
@@ -124,8 +124,6 @@ class MLAttention(nnx.Module):
 
     def _expanded(self, q_nope, q_rope, latent_BTC, positions_BT, segment_ids_BT):
         """Per-head keys and values through the attention kernel (v zero-padded to the q/k width)."""
-        from model.attention import ATTENTION_IMPLS
-
         cdt = self.compute_dtype
         hn, hr, hv, r = self.dims
         kv_BTNx = layers.matmul_rows(latent_BTC[..., :r], self.kv_b[...].astype(cdt))

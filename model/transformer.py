@@ -21,6 +21,7 @@ from flax import nnx
 from model import config as config_lib
 from model import layers, seeds, sharding
 from model.attention import Attention
+from model.kv_cache import DenseCache, PagedCache
 from model.mla import MLAttention, cache_width
 from model.moe.layer import MoEBlock
 from model.mtp import MTPModule, shifted
@@ -89,7 +90,7 @@ class LayerStack(nnx.Module):
         def run(block, x, layer_cache, idx):
             return block(x, positions_BT, segment_ids_BT, layer_cache, idx)
 
-        if cache is not None and "page_table" in cache:
+        if isinstance(cache, PagedCache):
             return self._paged(run, x_BTD, cache, expert_indices_LBTk)
         if self.scan:
             graphdef, state = nnx.split(self.blocks)
@@ -113,10 +114,9 @@ class LayerStack(nnx.Module):
         return x_BTD, stack(auxes), (None if cache is None else stack(caches))
 
     def _paged(self, run, x_BTD, cache, expert_indices_LBTk):
-        """The layers over a paged cache: the page arrays (`page_keys`) are carried (updated in place),
-        layer i of the stack is cache layer `cache["layer"] + i`."""
-        first = cache["layer"]
-        names = page_keys(cache)
+        """The layers over a paged cache: the page arrays (`cache.pages`) are carried (updated in place),
+        layer i of the stack is cache layer `cache.layer + i`."""
+        first = cache.layer
 
         if self.scan:
             graphdef, state = nnx.split(self.blocks)
@@ -125,28 +125,20 @@ class LayerStack(nnx.Module):
             def body(carry, xs):
                 x, pages = carry
                 layer_state, i, idx = xs
-                layer_cache = dict(cache, **pages, layer=first + i)
+                layer_cache = cache._replace(pages=pages, layer=first + i)
                 x, aux, layer_cache = run(nnx.merge(graphdef, layer_state), x, layer_cache, idx)
-                return (x, {k: layer_cache[k] for k in names}), aux
+                return (x, layer_cache.pages), aux
 
             xs = (state, jnp.arange(num, dtype=jnp.int32), expert_indices_LBTk)
-            pages = {k: cache[k] for k in names}
-            (x_BTD, pages), aux = jax.lax.scan(body, (x_BTD, pages), xs)
-            return x_BTD, aux, dict(cache, **pages)
+            (x_BTD, pages), aux = jax.lax.scan(body, (x_BTD, cache.pages), xs)
+            return x_BTD, aux, cache._replace(pages=pages)
         auxes = []
         for i, block in enumerate(self.blocks):
             idx = None if expert_indices_LBTk is None else expert_indices_LBTk[i]
-            x_BTD, aux, cache = run(block, x_BTD, dict(cache, layer=first + i), idx)
+            x_BTD, aux, cache = run(block, x_BTD, cache._replace(layer=first + i), idx)
             auxes.append(aux)
         stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
-        return x_BTD, stack(auxes), dict(cache, layer=first)
-
-
-PAGE_KEYS = ("k", "v", "latent")  # the arrays a KV cache holds: GQA keys and values, or MLA latent rows
-
-
-def page_keys(cache: dict) -> tuple[str, ...]:
-    return tuple(k for k in PAGE_KEYS if k in cache)
+        return x_BTD, stack(auxes), cache._replace(layer=first)
 
 
 class Transformer(nnx.Module):
@@ -205,7 +197,7 @@ class Transformer(nnx.Module):
             return {"latent": cache_width(m)}, 1
         return {"k": m.head_dim, "v": m.head_dim}, m.num_kv_heads
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> DenseCache:
         """A contiguous KV cache for `max_len` positions per row, empty (index 0)."""
         dtype = dtype or self.cfg.model.compute_dtype
         widths, heads = self.cache_rows()
@@ -215,11 +207,8 @@ class Transformer(nnx.Module):
                 return None
             return {k: jnp.zeros((num, batch, max_len, heads, w), dtype) for k, w in widths.items()}
 
-        return {
-            "dense": group(self.num_dense),
-            "moe": group(self.num_moe),
-            "index": jnp.zeros((batch,), jnp.int32),
-        }
+        groups = {"dense": group(self.num_dense), "moe": group(self.num_moe)}
+        return DenseCache(groups, jnp.zeros((batch,), jnp.int32))
 
     def init_paged_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
         """Empty page arrays [num_layers * K, num_pages, page_size, width] for a paged cache (`k`/`v`, or
@@ -237,15 +226,15 @@ class Transformer(nnx.Module):
         positions_BT: jax.Array | None = None,
         *,
         segment_ids: jax.Array | None = None,
-        kv_cache: dict | None = None,
+        kv_cache: DenseCache | PagedCache | None = None,
         expert_indices: jax.Array | None = None,
         logit_positions: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         m = self.cfg.model
         b, t = tokens_BT.shape
-        paged = kv_cache is not None and "page_table" in kv_cache
+        paged = isinstance(kv_cache, PagedCache)
         if positions_BT is None:
-            start = 0 if kv_cache is None else kv_cache["start" if paged else "index"][:, None]
+            start = 0 if kv_cache is None else (kv_cache.start if paged else kv_cache.index)[:, None]
             positions_BT = start + jnp.arange(t, dtype=jnp.int32)[None, :]
         positions_BT = jnp.broadcast_to(positions_BT, (b, t))
         x_BTD = sharding.constrain(self.embed(tokens_BT), ACT, self.rules)
@@ -253,10 +242,9 @@ class Transformer(nnx.Module):
         def layer_cache(name):
             if kv_cache is None:
                 return None
-            c = kv_cache[name]
-            arrays = {k: c[k] for k in page_keys(c)}
-            index = jnp.broadcast_to(kv_cache["index"], (next(iter(arrays.values())).shape[0], b))
-            return dict(arrays, index=index)
+            arrays = kv_cache.arrays[name]
+            index = jnp.broadcast_to(kv_cache.index, (next(iter(arrays.values())).shape[0], b))
+            return DenseCache(arrays, index)
 
         new_cache = {}
         moe_aux = {}
@@ -280,11 +268,8 @@ class Transformer(nnx.Module):
         aux = summarize_aux(moe_aux, m.moe)
         aux["hidden"] = x_BTD
         if kv_cache is not None:
-            aux["kv_cache"] = {
-                "dense": _strip_index(new_cache.get("dense")),
-                "moe": _strip_index(new_cache.get("moe")),
-                "index": kv_cache["index"] + t,
-            }
+            arrays = {name: _arrays(new_cache.get(name)) for name in ("dense", "moe")}
+            aux["kv_cache"] = DenseCache(arrays, kv_cache.index + t)
         return logits_BTV, aux
 
     def _logits(self, x_BTD: jax.Array, *, normed: bool = False) -> jax.Array:
@@ -300,24 +285,18 @@ class Transformer(nnx.Module):
             logits_BTV.astype(jnp.float32), ("act_batch", "act_length", "act_vocab"), self.rules
         )
 
-    def _paged_call(self, x_BTD, positions_BT, kv_cache, expert_indices):
-        """Paged-cache forward: `kv_cache` = {the page arrays of `init_paged_cache`, page_table [B, M],
-        start [B], num_new [B]}; returns logits and aux["kv_cache"] with the updated page arrays."""
-        cache = {
-            **{k: kv_cache[k] for k in page_keys(kv_cache)},
-            "page_table": kv_cache["page_table"].astype(jnp.int32),
-            "start": kv_cache["start"].astype(jnp.int32),
-            "num_new": kv_cache["num_new"].astype(jnp.int32),
-            "layer": jnp.zeros((), jnp.int32),
-        }
+    def _paged_call(self, x_BTD, positions_BT, kv_cache: PagedCache, expert_indices):
+        """Paged-cache forward: `kv_cache.pages` are the page arrays of `init_paged_cache`; returns logits
+        and aux["kv_cache"], the updated page arrays."""
+        cache = _int32_paged(kv_cache)
         moe_aux = {}
         if self.dense_layers is not None:
             x_BTD, _, cache = self.dense_layers(x_BTD, positions_BT, None, cache, None)
         if self.moe_layers is not None:
-            cache = dict(cache, layer=jnp.asarray(self.num_dense, jnp.int32))
+            cache = cache._replace(layer=jnp.asarray(self.num_dense, jnp.int32))
             x_BTD, moe_aux, cache = self.moe_layers(x_BTD, positions_BT, None, cache, expert_indices)
         aux = summarize_aux(moe_aux, self.cfg.model.moe)
-        aux["kv_cache"] = {k: cache[k] for k in page_keys(cache)}
+        aux["kv_cache"] = cache.pages
         aux["hidden"] = x_BTD
         return self._logits(x_BTD), aux
 
@@ -349,29 +328,34 @@ class Transformer(nnx.Module):
         dtype = dtype or m.compute_dtype
         return {k: jnp.zeros((heads, num_pages, page_size, w), dtype) for k, w in widths.items()}
 
-    def mtp_paged(self, hidden_BTD: jax.Array, next_tokens_BT: jax.Array, kv_cache: dict):
-        """The first MTP module over a paged cache (`init_mtp_paged_cache` arrays + page_table, start,
-        num_new, as for `__call__`): at position start + t it reads the hidden state `hidden_BTD[:, t]` of
+    def mtp_paged(self, hidden_BTD: jax.Array, next_tokens_BT: jax.Array, kv_cache: PagedCache):
+        """The first MTP module over a paged cache (`init_mtp_paged_cache` arrays as its pages, as for
+        `__call__`): at position start + t it reads the hidden state `hidden_BTD[:, t]` of
         position start + t and the embedding of the token after it, `next_tokens_BT[:, t]`, and predicts
         the token after that. Returns (logits_BTV, the module's hidden state h'_BTD, updated page arrays)."""
         module = self.mtp[0]
         b, t = next_tokens_BT.shape
-        cache = {
-            **{k: kv_cache[k] for k in page_keys(kv_cache)},
-            "page_table": kv_cache["page_table"].astype(jnp.int32),
-            "start": kv_cache["start"].astype(jnp.int32),
-            "num_new": kv_cache["num_new"].astype(jnp.int32),
-            "layer": jnp.zeros((), jnp.int32),
-        }
-        positions_BT = cache["start"][:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        cache = _int32_paged(kv_cache)
+        positions_BT = cache.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         emb_BTD = self.embed(next_tokens_BT)
         h_BTD, _, cache = module(hidden_BTD.astype(emb_BTD.dtype), emb_BTD, positions_BT, None, cache)
         logits_BTV = self._logits(module.norm(h_BTD), normed=True)
-        return logits_BTV, h_BTD, {k: cache[k] for k in page_keys(cache)}
+        return logits_BTV, h_BTD, cache.pages
 
 
-def _strip_index(c):
-    return None if c is None else {k: c[k] for k in page_keys(c)}
+def _int32_paged(cache: PagedCache) -> PagedCache:
+    """`cache` with int32 table, start and num_new, at cache layer 0."""
+    return PagedCache(
+        cache.pages,
+        cache.page_table.astype(jnp.int32),
+        cache.start.astype(jnp.int32),
+        cache.num_new.astype(jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
+
+
+def _arrays(cache: DenseCache | None) -> dict | None:
+    return None if cache is None else cache.arrays
 
 
 def summarize_aux(moe_aux: dict, moe_cfg) -> dict:

@@ -11,6 +11,7 @@ from flax import nnx
 import model
 from configs import tiny
 from model import layers, rope
+from model.kv_cache import PagedCache
 
 # f32 compute: two orderings of the same sums differ by a few ulps of O(1) values.
 ATOL = RTOL = 1e-5
@@ -190,7 +191,7 @@ def test_kv_cache_decode_equals_full_forward(arg):
         logits, aux = m(toks[:, t : t + 1], kv_cache=cache)
         outs.append(logits)
         cache = aux["kv_cache"]
-    np.testing.assert_array_equal(cache["index"], [12, 12])
+    np.testing.assert_array_equal(cache.index, [12, 12])
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=ATOL, rtol=RTOL)
 
 
@@ -206,9 +207,7 @@ def test_logit_positions_pick_the_full_forwards_rows():
     want = jnp.stack([full[0, 3:6], full[1, jnp.array([10, 11, 11])]])
     np.testing.assert_allclose(picked, want, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(aux["moe_loss"], aux_full["moe_loss"], rtol=1e-6)
-    paged = dict(
-        m.init_paged_cache(4, 8), page_table=jnp.zeros((2, 2)), start=jnp.zeros(2), num_new=jnp.ones(2)
-    )
+    paged = PagedCache(m.init_paged_cache(4, 8), jnp.zeros((2, 2)), jnp.zeros(2), jnp.ones(2))
     with pytest.raises(ValueError, match="logit_positions"):
         m(toks[:, :1], kv_cache=paged, logit_positions=positions[:, :1])
 
