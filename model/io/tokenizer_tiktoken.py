@@ -24,14 +24,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from model.io.tokenizer import (
-    CheckpointTokenizer,
-    _chat_templates,
-    _checkpoint_named_tokens,
-    _generation_eos_ids,
-    _read_json,
-    _token_string,
-)
+from model.io.tokenizer_base import CheckpointTokenizer, checkpoint_files, token_string
 
 # Kimi's pre-tokenizer: o200k's with runs of Han characters as their own pieces, Han left out of the letter
 # runs. `[A&&[^\p{Han}]]` is character-class intersection (A less Han). Kimi's tokenization_kimi.py hands this
@@ -128,8 +121,8 @@ class TiktokenTokenizer(CheckpointTokenizer):
         """
         directory = pathlib.Path(path)
         ranks = read_tiktoken_bpe(directory / "tiktoken.model")
-        config = _read_json(directory / "tokenizer_config.json")
-        named = _checkpoint_named_tokens(directory, config)
+        files = checkpoint_files(directory)
+        config, named = files.config, files.named_tokens
         specials = _special_block(ranks, config, num_reserved_special_tokens, source=str(directory))
         for key, token in KIMI_DEFAULT_NAMED.items():
             if token in specials.values():
@@ -138,8 +131,8 @@ class TiktokenTokenizer(CheckpointTokenizer):
             ranks,
             special_tokens=specials,
             named_tokens=named,
-            chat_templates=_chat_templates(directory, config),
-            extra_stop_ids=_generation_eos_ids(directory / "generation_config.json"),
+            chat_templates=files.chat_templates,
+            extra_stop_ids=files.extra_stop_ids,
             pattern=pattern,
             source=str(directory),
         )
@@ -202,7 +195,7 @@ def _special_block(
     num_base = len(ranks)
     named: dict[int, str] = {}
     for key, spec in config.get("added_tokens_decoder", {}).items():
-        token_id, token = int(key), _token_string(spec)
+        token_id, token = int(key), token_string(spec)
         if token is None:
             raise ValueError(f"{source}: added_tokens_decoder[{key!r}] has no 'content' string")
         if token_id < num_base:
