@@ -1,8 +1,8 @@
 """python -m benchmarks curriculum --workdir=runs/demo-... [--out=benchmarks/results/curriculum.jsonl]
 python -m benchmarks curriculum --derive
 
---workdir   How the curriculum's weights moved in a run, from its metrics.jsonl and config.json (issue 19's
-            figures): per domain the mean and standard deviation of `weight/<domain>`, the mean and largest
+--workdir   How the curriculum's weights moved in a run, from its metrics.jsonl and config.json: per
+            domain the mean and standard deviation of `weight/<domain>`, the mean and largest
             absolute change between consecutive logged steps, the steps at the floor and at the ceiling
             (1 - floor * (D - 1)), the jumps larger than 0.3, and how often the weight turns (the sign of a
             change of more than 0.001 differs from the previous such change): a trend turns a few times,

@@ -8,14 +8,11 @@ and greedy; pass@8 after each phase) on the SELECTION split is printed to stderr
 at the end (arguments, pass rates, wall time per phase). `--domains` takes any registry domains with levels
 ("math:-1;strings:2,3").
 
-The defaults are the `make demo` recipe (configs/grpo.py:demo). The math candidate of before (the full
-"Show your work ..." instruction, 132 tokens a row, 800 warm-start steps of 32 rows) did not learn: run
-through the main job at 300 of its warm-start steps, held-out pass@1 after the warm start was 0.0125 (of
-400 samples: 5 ok, 226 wrong, 169 format errors: the noisy teacher's one wrong character mostly landed in
-"boxed"). Two changes made it learn: the noisy teacher now misses a digit of the answer
-(`rl.warm_start.corrupt`), and level -1
-asks for the boxed answer alone (a 38-token prompt), so the arith recipe's budget (1500 steps of 64 rows)
-fits. The arith recipe of before is `--domains 'arith:2;strings:2,3' --seq_len 24 --max_new_tokens 8`.
+The defaults are the `make demo` recipe (configs/grpo.py:demo): the noisy teacher misses one digit of the
+answer (`rl.warm_start.corrupt`; a wrong character anywhere would mostly land in "boxed" and teach format
+errors), and math level -1 asks for the boxed answer alone (a 38-token prompt), so the recipe learns within
+1500 warm-start steps of 64 rows. An arith recipe: `--domains 'arith:2;strings:2,3' --seq_len 24
+--max_new_tokens 8`.
 
 Splits (`rl.data`): the loop trains on the train stream (`DomainTasks(split="train")`, as the trainer does)
 and scores the first `--eval_n` distinct prompts of the selection split. The held-out (eval) split is never

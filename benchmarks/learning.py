@@ -1,6 +1,6 @@
 """python -m benchmarks learning --seeds=0,1,2 --out=benchmarks/results/learning.jsonl
 
-Does the adaptive curriculum pay (issue 17 item 4)? Multi-domain runs of the main job (`rl.train.train` on
+Does the adaptive curriculum pay? Multi-domain runs of the main job (`rl.train.train` on
 `configs/grpo.py:demo` with `--domains`), one per (arm, seed): arm `adaptive` (rl.curriculum=adaptive, the
 gain-per-compute weights of rl/curriculum.py) against arm `static` (uniform static weights), every other
 field equal. Each run checkpoints every `--eval_every` steps (the SFT warm start is step 0); afterwards every
