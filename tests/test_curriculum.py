@@ -490,7 +490,7 @@ def test_admit_domains_with_the_real_gate():
 #
 # The demo draws 16 prompts x 8 samples a step over two domains with floor 0.25. Here every sample costs 8
 # tokens and earns 1 with probability p_d(c), c the tokens spent on d so far: a learning curve per unit of
-# compute. The failure probabilities are derived by `python benchmarks/curriculum.py --derive` (not by
+# compute. The failure probabilities are derived by `python -m benchmarks curriculum --derive` (not by
 # simulating the scheduler): each estimate taken as normal with the standard error its regression weights
 # give under the true p (1 - p), along the allocation path the rule should follow, and union bounds over
 # the steps.
