@@ -88,7 +88,7 @@ DOTS, TMP = "." * 2, '"/' + "tmp/"
 @pytest.mark.parametrize(
     "path, line",
     [
-        ("benchmarks/grpo_job.py", f'PEER = os.path.join(HERE, "{DOTS}", "{DOTS}", "shared", "peers", "x.py")'),
+        ("benchmarks/x.py", f'PEER = os.path.join(HERE, "{DOTS}", "{DOTS}", "shared", "peers", "x.py")'),
         ("benchmarks/decode.py", f'p.add_argument("--hf_python", default="{DOTS}/venv-hf/bin/python")'),
         (
             "benchmarks/decode.py",
