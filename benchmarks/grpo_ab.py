@@ -7,7 +7,7 @@ A/B checks behind two of the GRPO step's changes, on `grpo_step.py`'s anchor sha
   twice in one process, with the logit window (`losses.logit_window`, 64 of 96 positions) and without
   (every position's logits), called alternately on one random batch (mask on the 64 completion positions);
   median seconds over the calls after the first, and the largest difference of any scalar metric.
-- `warmup`: the main job's warm-up (`rl.train._warm_up`: the engine's warmup in a thread beside the
+- `warmup`: the main job's warm-up (`rl.train_step.warm_up`: the engine's warmup in a thread beside the
   update's compile) against the two one after the other (the same function, its thread run inline), each
   in a fresh process (cold compile caches on both sides), the two kinds alternated `--pairs` times; wall
   seconds of the warm-up and the process's CPU seconds in it.
@@ -34,7 +34,6 @@ from benchmarks.record import emit, loadavg
 from inference import Engine
 from rl import batch as batch_lib
 from rl import distributed, losses, sampler, train_state, train_step, validate
-from rl.train import _warm_up
 
 ARCH = "qwen3"
 
@@ -60,8 +59,8 @@ def _random_batch(cfg, mesh):
 
 
 class _InlineThread:
-    """threading.Thread's surface as `_warm_up` uses it, running the target at start(): the serial warm-up
-    through the main job's own code (the engine's warmup, then the update's compile)."""
+    """threading.Thread's surface as `rl.train_step.warm_up` uses it, running the target at start(): the
+    serial warm-up through the main job's own code (the engine's warmup, then the update's compile)."""
 
     def __init__(self, target, **_):
         self._target = target
@@ -119,9 +118,9 @@ def child(kind: str) -> None:
     )
     update = train_step.make_grpo_update(cfg, model_def, mesh=mesh)
     wall, cpu = time.perf_counter(), time.process_time()
-    inline = mock.patch("rl.train.threading", SimpleNamespace(Thread=_InlineThread))
+    inline = mock.patch("rl.train_step.threading", SimpleNamespace(Thread=_InlineThread))
     with inline if kind == "serial" else contextlib.nullcontext():
-        _warm_up(cfg, engine, update, mesh, state, ref, cfg.batch_size)
+        train_step.warm_up(cfg, engine, update, mesh, state, ref, cfg.batch_size)
     print(json.dumps({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}))
 
 

@@ -16,7 +16,7 @@ One step is what the main job's loop does per step, built from its own functions
 (`inference.Engine.generate` with `rollout.sampling_params`, then the reward through the pool's
 `score_many`), `rl.batch.make_batch` (group advantages, padding to the fixed [rows, seq_len]),
 `rl.distributed.global_batch`, the update of `rl.train_step.make_grpo_update` (reference log-probs of the
-frozen copy, then the jitted train step) and the main job's weight sync (`rl.train._weight_sync`:
+frozen copy, then the jitted train step) and the main job's weight sync (`rl.sampler.weight_push`:
 `WeightSync.push` -> `Engine.update_params`), on the main job's engine config (`validate.engine_config`)
 and meshes. Not `rl.train.train` itself: its prompts are task text from envs domains scored in worker
 processes, so random-id prompts and this reward need a stand-in for the env pool (in this process; one
@@ -63,7 +63,6 @@ from envs import Score, Task  # noqa: E402
 from inference import Engine  # noqa: E402
 from model import plan  # noqa: E402
 from rl import distributed, losses, rollout, sampler, train_state, train_step, validate  # noqa: E402
-from rl.train import _warm_up, _weight_sync  # noqa: E402  (the main job's own helpers)
 
 SHAPES = dict(prompts=4, group=4, prompt_len=32, new_tokens=64, beta=0.04, lr=1e-4)
 TARGETS = dict(step_ratio=2.0, first_step_ratio=1.0)  # tunix / ours: at least these
@@ -200,12 +199,12 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
         validate.engine_config(cfg),
         mesh=sampler.layout(cfg, mesh).mesh,
     )
-    push_weights = _weight_sync(cfg, engine, sampler.layout(cfg, mesh), 1)
+    push_weights = sampler.weight_push(cfg, engine, sampler.layout(cfg, mesh), 1)
     phases, tokenizer = Phases(), IdTokenizer()
     update = timed_update(cfg, model_def, mesh, phases)
     t0, before_warmup = time.perf_counter(), _COMPILES["n"]
-    # The main job's warm-up: the engine's warmup() beside the update's compile (rl.train._warm_up)
-    _warm_up(cfg, engine, update, mesh, state, ref_params, cfg.batch_size)
+    # The main job's warm-up: the engine's warmup() beside the update's compile (rl.train_step.warm_up)
+    train_step.warm_up(cfg, engine, update, mesh, state, ref_params, cfg.batch_size)
     warmup_s = time.perf_counter() - t0
     warm_compiles = _COMPILES["n"] - before_warmup
     timed_engine, scorer = TimedEngine(engine, phases), EvenIdScorer(phases)
@@ -323,7 +322,7 @@ def run_ours(arch: str, steps: int, trace_dir: str = "") -> dict:
             )
         },
         "logit_window": losses.logit_window(cfg, cfg.seq_len),
-        "warmup_s": round(warmup_s, 3),  # the engine's warmup beside the update's compile (rl.train._warm_up)
+        "warmup_s": round(warmup_s, 3),  # engine warmup beside the update compile (rl.train_step.warm_up)
         "warmup_compiles": warm_compiles,
         "jit_compiles_in_first_step": compiles_after_first - compiles_before_first if steps else None,
         "step_s_first": round(step_s[0], 3),
@@ -389,8 +388,8 @@ def differences(ours: dict, tunix: dict) -> list[str]:
         "step boundaries: ours perf_counter around each step, every phase ended by block_until_ready; "
         "Tunix's the times its learner pulls a batch from the iterator (async dispatch may move work across)",
         "first step: Tunix's includes all its compiles (sampler, reference, actor update); ours compiles "
-        "before the loop, as the main job does (rl.train._warm_up: the engine's warmup in a thread beside "
-        "the update's compile, warmup_s; jit_compiles_in_first_step counts what the first step still "
+        "before the loop, as the main job does (rl.train_step.warm_up: the engine's warmup in a thread "
+        "beside the update's compile, warmup_s; jit_compiles_in_first_step counts what the first step still "
         "compiled): compare both step_s_first and step_s_first_incl_warmup",
         f"dtype: ours params/compute {ours['dims']['dtype']}, Tunix {tunix.get('dims', {}).get('dtype')}",
         "rollout: ours inference.Engine (paged KV cache, continuous batching, each prompt prefilled once for "

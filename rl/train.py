@@ -33,7 +33,6 @@ import gc
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -228,7 +227,7 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         if steps_left:
             say("compiling the engine and the GRPO update")
             t0 = time.perf_counter()
-            _warm_up(cfg, engine, update, mesh, state, ref_params, rows_here)
+            train_step.warm_up(cfg, engine, update, mesh, state, ref_params, rows_here)
             say(f"compiled in {time.perf_counter() - t0:.1f} s")
         elif run_eval:  # the held-out evaluation still samples
             engine.warmup()
@@ -416,41 +415,6 @@ def train(cfg, workdir: str, *, sft_only: bool = False, run_eval: bool = True) -
         for part in (ckpt, logger, pool):
             if part is not None:
                 part.close()
-
-
-# ---- Parts of the run ------------------------------------------------------------------------------------
-
-
-def _warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
-    """Compiles before the first step: the engine's `warmup()` in a thread beside the update's compile
-    (`update.compile`) on an empty batch of the rollout batches' shapes and placement, so the first step
-    compiles nothing; an error in either is raised here. The overlap pays on hosts with more cores than one
-    compile keeps busy (`python -m benchmarks grpo_ab` measures it)."""
-    rl = cfg.rl
-    local = batch_lib.empty_batch(
-        rows,
-        cfg.seq_len,
-        routing=(engine.num_moe_layers, cfg.model.moe.top_k) if rl.routing_replay else None,
-        domains=tuple(rl.domains) if rl.gradient_projection else None,
-    )
-    shardings = train_state.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
-    failed: list[BaseException] = []
-
-    def warm_engine() -> None:
-        try:
-            engine.warmup()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
-            failed.append(e)
-
-    thread = threading.Thread(target=warm_engine, name="engine-warmup", daemon=True)
-    thread.start()
-    try:
-        batch = distributed.global_batch(local, shardings, train_state.ROW_AXIS)
-        update.compile(state, batch, ref_params=ref_params)
-    finally:
-        thread.join()
-    if failed:
-        raise failed[0]
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from model import sharding
 from model.moe.layer import update_bias_state
+from rl import batch as batch_lib
 from rl import distributed, grpo, losses, projection, train_state
 
 Batch = dict[str, jax.Array]
@@ -427,3 +429,35 @@ def _combine_updates(history: list[dict]) -> dict[str, float]:
             out[name] = float(values.mean())
     out["updates"] = float(len(history))
     return out
+
+
+def warm_up(cfg, engine, update, mesh, state, ref_params, rows: int) -> None:
+    """Compiles before the first step: the engine's `warmup()` in a thread beside the update's compile
+    (`update.compile`) on an empty batch of the rollout batches' shapes and placement, so the first step
+    compiles nothing; an error in either is raised here. The overlap pays on hosts with more cores than one
+    compile keeps busy (`python -m benchmarks grpo_ab` measures it)."""
+    rl = cfg.rl
+    local = batch_lib.empty_batch(
+        rows,
+        cfg.seq_len,
+        routing=(engine.num_moe_layers, cfg.model.moe.top_k) if rl.routing_replay else None,
+        domains=tuple(rl.domains) if rl.gradient_projection else None,
+    )
+    shardings = train_state.batch_shardings(cfg, tuple(local), mesh, cfg.batch_size)
+    failed: list[BaseException] = []
+
+    def warm_engine() -> None:
+        try:
+            engine.warmup()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
+            failed.append(e)
+
+    thread = threading.Thread(target=warm_engine, name="engine-warmup", daemon=True)
+    thread.start()
+    try:
+        batch = distributed.global_batch(local, shardings, train_state.ROW_AXIS)
+        update.compile(state, batch, ref_params=ref_params)
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
