@@ -44,6 +44,7 @@ from absl import flags
 
 from configs import cli
 from configs.errors import UserError
+from configs.runs import read_config
 from envs import STATUSES, Score, Task
 from envs.pool import EnvPool
 from inference import Engine
@@ -313,7 +314,7 @@ def run(
     """Evaluates the checkpoint of `workdir` (latest, or `step`) on the run's held-out tasks; writes and
     returns {"step", "results"}. Unset arguments come from the run's config (`cfg`, else
     `<workdir>/config.json`)."""
-    cfg = cfg if cfg is not None else run_dir.read_config(workdir)
+    cfg = cfg if cfg is not None else read_config(workdir)
     cfg = with_overrides(
         cfg, domains=domains, n_tasks=n_tasks, k=k, temperature=temperature, max_new_tokens=max_new_tokens
     )
@@ -377,7 +378,7 @@ def main() -> None:
         cli.quiet_console(workdir.value)
         cfg = config.value
         if cfg is None and cli.taken():
-            cfg = run_dir.read_config(workdir.value)
+            cfg = read_config(workdir.value)
         report = run(
             workdir.value,
             cfg=cli.with_block_overrides(cfg),

@@ -10,9 +10,9 @@ A run's train state (its latest checkpoint, or `--step`) as a Hugging Face check
 - the tokenizer files, when the run used a Hugging Face tokenizer directory (rl.tokenizer, which
   rl.init_from sets to the checkpoint's when it has one).
 
-The run's config and checkpoint are read as `rl.evaluate` reads them (`load_run_config`, `restore_state`),
-onto the trainer's mesh (the run's mesh.shape over this job's devices; one device where a single process's
-devices do not fit it). Across processes every process runs the command (`rl.distributed`, as `rl.train`)
+The run's config and checkpoint are read as `rl.evaluate` reads them (`configs.runs.read_config`,
+`rl.run.restore_state`), onto the trainer's mesh (the run's mesh.shape over this job's devices; one
+device where a single process's devices do not fit it). Across processes every process runs the command (`rl.distributed`, as `rl.train`)
 with --out on a file system they share: no process gathers the model, each writes the safetensors files of
 the tensors it holds (`model.io.hf.save`), process 0 the index, config.json and the tokenizer files.
 A model no supported format holds (`model.io.hf_config.to_hf`), or an --out that is a file or a non-empty
@@ -33,6 +33,7 @@ from absl import flags
 
 from configs import cli
 from configs.errors import UserError, require
+from configs.runs import read_config
 from rl import distributed, train_state
 from rl import run as run_dir
 
@@ -88,7 +89,7 @@ def export(workdir: str, out: str, *, step: int | None = None, cfg: Any = None) 
     require("safetensors", "python -m rl.export (Hugging Face checkpoints)")
     from model.io import hf, hf_config
 
-    cfg = cfg if cfg is not None else run_dir.read_config(workdir)
+    cfg = cfg if cfg is not None else read_config(workdir)
     try:
         hf_config.to_hf(cfg)
     except ValueError as e:

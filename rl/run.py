@@ -1,7 +1,7 @@
 """A run directory and what is in it: the config rl.train ran with, the checkpointed tree, restore, the flags
 every run CLI shares, and what a signal does to a running job.
 
-  <workdir>/config.json        the run's config (`read_config`)
+  <workdir>/config.json        the run's config (`configs.runs.read_config`)
   <workdir>/checkpoints/<step> orbax items `state` (the tree of `pack`) and `meta` (`rl.checkpoint`)
   <workdir>/eval_*.json        the held-out evaluations (`read_json`)
 
@@ -115,18 +115,6 @@ def checkpoint_target(cfg, state, meta: dict):
         else train_state.reference_weights(state, rl.reference_dtype)
     )
     return pack(state, ref, draft_state)
-
-
-def read_config(workdir: str) -> Any:
-    """The config `rl.train` saved in `<workdir>/config.json`, as an ml_collections ConfigDict."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise UserError(
-            f"--workdir={workdir} is not a run of rl.train ({path} not found: rl.train writes it when a run "
-            "starts); point --workdir at a run directory"
-        )
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
 
 
 def read_json(workdir: str, name: str):

@@ -18,9 +18,12 @@ from configs import schema
 from configs.engine import EngineConfig
 from configs.errors import require
 from configs.fields import RL
+from envs import registry
+from envs.base import has_reference_solution
+from model import config as model_config
 from model.attention import ATTENTION_IMPLS
 from model.config import ConfigError
-from rl import grpo
+from rl import curriculum, grpo, train_state
 
 DECODE_STEPS = 8  # rl.engine.decode_steps=0 without a drafter or with draft="model": steps per device call
 MANY_STEP_DRAFTS = ("none", "model")  # rl.engine.draft values whose engine runs several steps per call
@@ -104,10 +107,6 @@ def init_from_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDic
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first field that cannot work (see the module docstring)."""
-    from envs import registry
-    from model import config as model_config
-    from rl import curriculum, train_state
-
     schema.check(cfg.rl, RL, "rl")
     cfg = init_from_config(cfg)
     rl = cfg.rl
@@ -175,11 +174,11 @@ def registries() -> dict[str, tuple[str, dict]]:
 def check_registries(cfg: ml_collections.ConfigDict) -> None:
     """Each choice the table allows names an entry of the registry that implements it: a ConfigError naming
     the field, the registry and its names otherwise (the table and the registry have drifted apart)."""
-    for field, (where, registry) in registries().items():
+    for field, (where, names) in registries().items():
         value = _get(cfg, field)
-        if value not in registry:
+        if value not in names:
             raise ConfigError(
-                f"{field}={value!r} is not registered in {where}; choose one of {sorted(registry)}"
+                f"{field}={value!r} is not registered in {where}; choose one of {sorted(names)}"
             )
 
 
@@ -266,8 +265,6 @@ def _check_domains(cfg, registry, curriculum) -> None:
     rl.sft.weights and rl.static_weights name only those domains; rl.env fits each constructor; every
     domain the SFT warm start or the quality gate will ask has reference solutions; the curriculum's
     fields."""
-    from envs.base import has_reference_solution
-
     rl = cfg.rl
     domains = list(rl.domains)
     named = f"rl.domains={tuple(domains)!r} names"
@@ -351,8 +348,6 @@ def _check_engine(cfg) -> None:
         else "needs multi-token-prediction modules: set model.mtp_layers >= 1 (or pick another drafter)",
     )
     if e.draft == "model":
-        from model import config as model_config
-
         draft = draft_model_config(cfg)
         try:
             model_config.validate_model(draft.model)

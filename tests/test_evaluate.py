@@ -5,10 +5,10 @@ import math
 
 import pytest
 
+from configs.runs import read_config
 from envs import STATUSES, Score, Task, registry
 from envs.pool import EnvPool
 from rl import evaluate, metrics, plot
-from rl import run as run_dir
 
 # ---------------------------------------------------------------------------------------------------------
 # pass@k
@@ -121,7 +121,7 @@ def test_missing_run_config_names_file_and_fix(tmp_path):
     from configs.errors import UserError
 
     with pytest.raises(UserError, match=r"--workdir=.* is not a run of rl.train \(.*config\.json not found"):
-        run_dir.read_config(str(tmp_path))
+        read_config(str(tmp_path))
 
 
 def test_overrides_change_a_copy_and_the_heldout_selection():

@@ -29,6 +29,7 @@ from safetensors.numpy import load_file, save_file
 
 from configs import grpo
 from configs.errors import UserError
+from configs.runs import read_config
 from configs.schema import ConfigError
 from rl import run as run_dir
 
@@ -216,7 +217,7 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
     assert out["steps"] == 2 and out["engine"]["compiles_after_warmup"] == 0
     assert out["engine"]["accepted_tokens"] > 0, out["engine"]  # the MTP drafts were verified and taken
 
-    run_cfg = run_dir.read_config(str(workdir))  # what rl.train ran with
+    run_cfg = read_config(str(workdir))  # what rl.train ran with
     assert run_cfg.model.attention_kind == "mla" and run_cfg.model.mtp_layers == 1
     assert run_cfg.model.d_model == D and run_cfg.model.vocab_size == VOCAB  # the checkpoint's, not tiny's
     assert run_cfg.rl.tokenizer == str(path)  # its tokenizer.json (rl.tokenizer was "")
@@ -365,7 +366,7 @@ def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["exported", "run"]  # no staging directory left beside it
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
 
-    run_cfg = run_dir.read_config(str(workdir))
+    run_cfg = read_config(str(workdir))
     state, _ = run_dir.restore_state(run_cfg, str(workdir))
     model_def, _ = train_state.init_state(run_cfg, seed=run_cfg.rl.seed)
     toks = np.random.RandomState(1).randint(0, run_cfg.model.vocab_size, (2, 12))

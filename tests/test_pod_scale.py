@@ -28,6 +28,7 @@ import xla_env
 from safetensors import safe_open
 
 from configs import grpo
+from configs.runs import read_config
 from rl import run as run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,9 +175,9 @@ def test_two_processes_post_train_a_checkpoint_no_device_could_hold(checkpoint, 
     # Export by both processes; transformers reads it, and its logits are our model's of the final state.
     out = _pair(["rl.export", f"--workdir={workdir}", f"--out={exported}"], tmp_path, "export")
     assert "wrote step 2" in out[0] or (exported / "config.json").exists()
-    state, meta = run_dir.restore_state(run_dir.read_config(str(workdir)), str(workdir))
+    state, meta = run_dir.restore_state(read_config(str(workdir)), str(workdir))
     assert meta["step"] == 2
-    model_def, _ = train_state.init_state(run_dir.read_config(str(workdir)), seed=0)
+    model_def, _ = train_state.init_state(read_config(str(workdir)), seed=0)
     toks = np.random.RandomState(1).randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         want = test_hf_main_job._hf_model(exported)(torch.tensor(toks)).logits.numpy()

@@ -60,24 +60,36 @@ def main() -> None:
     draft = flags.DEFINE_enum(
         "draft", "auto", DRAFTS, "The -fast variant's drafter (auto: mtp if the model has it)."
     )
-    num_draft = flags.DEFINE_integer("num_draft", 4, "Tokens proposed per speculative step.")
+    num_draft = flags.DEFINE_integer(
+        "num_draft", EngineConfig.num_draft, "Tokens proposed per speculative step."
+    )
     route = flags.DEFINE_integer(
         "route_fast_below", 0, "Route unseeded plain requests to -fast below N sequences."
     )
-    max_batch = flags.DEFINE_integer("max_batch", 16, "Decode slots per engine.")
-    max_seq_len = flags.DEFINE_integer("max_seq_len", 1024, "Prompt + completion tokens of one sequence.")
-    page_size = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-    prefill_chunk = flags.DEFINE_integer("prefill_chunk", 256, "Longest prefill call (a power of two).")
-    prefill_batch = flags.DEFINE_integer("prefill_batch", 4, "Rows per prefill call (a power of two).")
+    max_batch = flags.DEFINE_integer("max_batch", EngineConfig.max_batch, "Decode slots per engine.")
+    max_seq_len = flags.DEFINE_integer(
+        "max_seq_len", EngineConfig.max_seq_len, "Prompt + completion tokens of one sequence."
+    )
+    page_size = flags.DEFINE_integer("page_size", EngineConfig.page_size, "Tokens per KV page.")
+    prefill_chunk = flags.DEFINE_integer(
+        "prefill_chunk", EngineConfig.prefill_chunk, "Longest prefill call (a power of two)."
+    )
+    prefill_batch = flags.DEFINE_integer(
+        "prefill_batch", EngineConfig.prefill_batch, "Rows per prefill call (a power of two)."
+    )
     num_pages = flags.DEFINE_integer(
-        "num_pages", 0, "KV pages per engine (0: enough for max_batch full sequences and the prefix cache)."
+        "num_pages",
+        EngineConfig.num_pages,
+        "KV pages per engine (0: enough for max_batch full sequences and the prefix cache).",
     )
     prefix_cache_pages = flags.DEFINE_integer(
-        "prefix_cache_pages", -1, "Device pages the prefix cache may keep (-1: the engine's default; 0: off)."
+        "prefix_cache_pages",
+        EngineConfig.prefix_cache_pages,
+        "Device pages the prefix cache may keep (-1: the engine's default; 0: off).",
     )
     host_cache_pages = flags.DEFINE_integer(
         "host_cache_pages",
-        0,
+        EngineConfig.host_cache_pages,
         "Host-memory pages for cold prefix blocks, e.g. long shared system prompts (0: off).",
     )
     max_queue = flags.DEFINE_integer(

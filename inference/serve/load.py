@@ -15,18 +15,17 @@ orbax partial restore, no optimizer state read and no import of `rl`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
 import model as model_lib
 from configs.engine import EngineConfig
 from configs.errors import UserError
+from configs.runs import read_config
 from inference.drafters import WEIGHTS, MTPDrafter, NgramDrafter
 from inference.layout import check_mesh
 from inference.weights import weight_shardings
@@ -95,7 +94,7 @@ def load_run(
     checkpoints a reference or a draft model, merged into one state as the trainer hands them to its
     engine. Without `mesh` they land on the first device; with it, in the layout of an engine of
     `engine_cfg` on it (`Loaded.placed`)."""
-    cfg = load_run_config(workdir)
+    cfg = read_config(workdir)
     directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     manager = ocp.CheckpointManager(directory, item_handlers=handlers)
@@ -119,18 +118,6 @@ def load_run(
     tok = load_tokenizer(tokenizer or cfg.rl.tokenizer or None, vocab_size=cfg.model.vocab_size)
     weights = nnx.merge_state(state["params"], state["model_state"])
     return Loaded(cfg, weights, tok, _name(workdir), placed=mesh is not None)
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config `rl.train` saved in `<workdir>/config.json`."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise UserError(
-            f"--workdir={workdir} is not a run of rl.train ({path} not found: rl.train writes it when a run "
-            "starts); point --workdir at a run directory"
-        )
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
 
 
 def _restore_shardings(cfg, abstract: nnx.State, mesh, engine_cfg) -> nnx.State:
