@@ -11,10 +11,11 @@ A run's train state (its latest checkpoint, or `--step`) as a Hugging Face check
   rl.init_from sets to the checkpoint's when it has one).
 
 The run's config and checkpoint are read as `rl.evaluate` reads them (`configs.runs.read_config`,
-`rl.run.restore_state`), onto the trainer's mesh (the run's mesh.shape over this job's devices; one
-device where a single process's devices do not fit it). Across processes every process runs the command (`rl.distributed`, as `rl.train`)
-with --out on a file system they share: no process gathers the model, each writes the safetensors files of
-the tensors it holds (`model.io.hf.save`), process 0 the index, config.json and the tokenizer files.
+`rl.run.restore_state`), onto the trainer's mesh (the run's mesh.shape over this job's devices; one device
+where a single process's devices do not fit it). Across processes every process runs the command
+(`rl.distributed`, as `rl.train`) with --out on a file system they share: no process gathers the model,
+each writes the safetensors files of the tensors it holds (`model.io.hf.save`), process 0 the index,
+config.json and the tokenizer files.
 A model no supported format holds (`model.io.hf_config.to_hf`), or an --out that is a file or a non-empty
 directory, is refused before the checkpoint is read; --out appears complete or not at all.
 """
