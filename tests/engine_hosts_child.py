@@ -21,16 +21,16 @@ def main(process_id: int, port: int) -> None:
     import engine_hosts_common as common
 
     from inference import Engine, NgramDrafter
-    from rl import distributed, memory, sampler, train_step, validate
+    from rl import distributed, memory, sampler, train_state, validate
 
     cfg = common.config(fsdp=8)
     mesh = distributed.trainer_mesh(cfg)
-    _, state = train_step.init_state(cfg, mesh=mesh, seed=common.SEED)
+    _, state = train_state.init_state(cfg, mesh=mesh, seed=common.SEED)
     engine_cfg = validate.engine_config(cfg)
     for per in (0, 1):  # one engine over both processes, then one per process
         cfg.rl.engine.mesh.update(processes=per, expert=2, tensor=2)
         place = sampler.layout(cfg, mesh)
-        weights = place.engine_weights(train_step.weights(state), cfg, engine_cfg)
+        weights = place.engine_weights(train_state.weights(state), cfg, engine_cfg)
         engine = Engine(cfg, weights, engine_cfg, mesh=place.mesh, placed=place.placed)
         out = common.run(engine)
         bytes_by_device = memory.per_device(jax.tree.leaves(engine.params))
@@ -49,7 +49,7 @@ def main(process_id: int, port: int) -> None:
     cfg.rl.engine.mesh.update(processes=0, expert=2, tensor=2)
     place = sampler.layout(cfg, mesh)
     small = dataclasses.replace(engine_cfg, num_pages=4, prefix_cache_pages=0, decode_steps=1)
-    weights = place.engine_weights(train_step.weights(state), cfg, small)
+    weights = place.engine_weights(train_state.weights(state), cfg, small)
     engine = Engine(cfg, weights, small, draft=NgramDrafter(2), mesh=place.mesh, placed=place.placed)
     out = common.run(engine, common.CROWD)
     stats = engine.stats()

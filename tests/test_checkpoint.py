@@ -36,12 +36,12 @@ DRIVER = textwrap.dedent(
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     import numpy as np
     from configs import grpo
-    from rl import checkpoint, data, train_step
+    from rl import checkpoint, data, train_state, train_step
 
     workdir, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     B, T = 4, 16
     cfg = grpo.get_config("tiny")
-    model_def, state = train_step.init_state(cfg, seed=0)
+    model_def, state = train_state.init_state(cfg, seed=0)
     stream = data.DomainTasks("math", seed=0)
     ckpt = checkpoint.Checkpointer(workdir + "/ckpt", save_every=2, model_config=cfg.model)
     restored = ckpt.restore(target_state=state)

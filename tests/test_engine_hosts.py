@@ -71,14 +71,14 @@ def _pair(tmp_path) -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     from inference import Engine
-    from rl import train_step, validate
+    from rl import train_state, validate
 
     cfg = common.config()
-    _, state = train_step.init_state(cfg, seed=common.SEED)
-    engine = Engine(cfg, train_step.weights(state), validate.engine_config(cfg))
+    _, state = train_state.init_state(cfg, seed=common.SEED)
+    engine = Engine(cfg, train_state.weights(state), validate.engine_config(cfg))
     out = common.run(engine)
     out["crowd"] = common.run(engine, common.CROWD)
-    out["param_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train_step.weights(state)))
+    out["param_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train_state.weights(state)))
     return out
 
 

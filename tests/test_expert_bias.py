@@ -18,7 +18,7 @@ def _bias(state) -> np.ndarray:
 
 
 def test_main_job_trains_the_selection_bias_and_pushes_it_to_the_engine(tmp_path, monkeypatch):
-    from rl import checkpoint, train, train_step
+    from rl import checkpoint, train, train_state
 
     cfg = grpo.get_config("test")
     cfg.model.moe.router = "sigmoid"
@@ -35,7 +35,7 @@ def test_main_job_trains_the_selection_bias_and_pushes_it_to_the_engine(tmp_path
     out = train.train(cfg, str(tmp_path), run_eval=False)
     assert out["steps"] == 4 and out["engine"]["compiles_after_warmup"] == 0
 
-    _, target = train_step.init_state(cfg, seed=cfg.rl.seed)
+    _, target = train_state.init_state(cfg, seed=cfg.rl.seed)
     assert not _bias(target.model_state).any()  # it starts at zero
     ckpt = checkpoint.Checkpointer(os.path.join(tmp_path, "checkpoints"), save_every=2)
     state, _ = ckpt.restore(target_state=target)

@@ -1,4 +1,4 @@
-"""Expert parallelism (model/moe_parallel.py) on 8 fake CPU devices: the shard_map dispatch with its
+"""Expert parallelism (model/moe/parallel.py) on 8 fake CPU devices: the shard_map dispatch with its
 all-to-all gives the GSPMD path's and one device's output and gradients (every parameter and the input),
 for uneven loads, both routers, group-limited routing, a tensor-split expert width and capacity drops;
 the exchange's own capacity (`model.moe.ep_capacity_factor`) and the drops it counts; its refusals; the
@@ -16,7 +16,10 @@ from jax.sharding import NamedSharding
 import model
 from configs import moe_1t, tiny
 from model import config as config_lib
-from model import moe, moe_dispatch, moe_parallel, sharding
+from model import sharding
+from model.moe import dispatch as moe_dispatch
+from model.moe import layer as moe
+from model.moe import parallel as moe_parallel
 
 # f32: the shards add the same products in another order (psums over data and tensor, the fsdp
 # all-gather), as in tests/test_sharding.py.
@@ -407,7 +410,7 @@ def test_exchange_capacity_without_drops_equals_dropless():
 def test_ragged_exchange_on_accelerator():
     """The ragged exchange (`model.moe.ep_exchange = ragged`) forward and backward against GSPMD, dropless
     and with ep_capacity_factor drops absent (factor 3.5, as above). Until this has passed on a backend,
-    `ep_exchange = auto` must not pick ragged there (model/moe_parallel.py)."""
+    `ep_exchange = auto` must not pick ragged there (model/moe/parallel.py)."""
     n = jax.device_count()
     if n < 2:
         pytest.skip(f"one {jax.default_backend()} device: the exchange needs an expert axis of 2 or more")
@@ -432,6 +435,7 @@ def test_train_step_reports_the_exchange_drops():
     row of 16 tokens (T' = 16) and sends each expert shard at most C = ceil(0.25 * 16 * 2 / 4) = 2 of its
     32 assignments, so at least 24 of 32 drop in every layer. It equals the forward's own mean over layers."""
     from configs import grpo as grpo_config
+    from rl import train_state
     from rl import train_step as ts
 
     cfg = grpo_config.get_config("tiny")
@@ -448,7 +452,7 @@ def test_train_step_reports_the_exchange_drops():
         "advantages_B": jnp.linspace(-1.0, 1.0, b),
         "behaviour_logp_BT": jnp.full((b, t), -5.5),
     }
-    model_def, state = ts.init_state(cfg, mesh=mesh)
+    model_def, state = train_state.init_state(cfg, mesh=mesh)
     with jax.set_mesh(mesh):
         spec = sharding.logical_to_spec(("act_batch", "act_length"), cfg.mesh.rules)
         _, aux = jax.jit(lambda p, x: model_def.merge(p)(x))(

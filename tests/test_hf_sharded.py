@@ -1,12 +1,12 @@
 """Hugging Face checkpoints read slice by slice into the trainer's shardings and written back without
 gathering the model in one process.
 
-One process over the 8 fake devices: `model.hf.load_sharded` gives the unsharded load's values with exactly
-`rl.train_step.init_state`'s shardings (init_state moves nothing), and reads every distinct block once (on
+One process over the 8 fake devices: `model.io.hf.load_sharded` gives the unsharded load's values with exactly
+`rl.train_state.init_state`'s shardings (init_state moves nothing), and reads every distinct block once (on
 one process that is each stored byte once: `bytes_read` is the checkpoint's data section, where a reader of
 whole tensors per device would read it 8 times). An FP8 block-quantized slice is the slice of the tensor
 dequantized whole. Two processes x 4 devices (fsdp 8 across both, as `rl.train` runs them) each read half
-of every matrix and the whole of every vector, go through init_state, and `model.hf.save` writes the files
+of every matrix and the whole of every vector, go through init_state, and `model.io.hf.save` writes the files
 of each between them: the tensors are the original's bit for bit and transformers reads the directory.
 """
 
@@ -72,7 +72,7 @@ def _value(v):
 
 def test_fp8_slice_is_the_slice_of_the_tensor_dequantized_whole(tmp_path):
     """A [10, 13] e4m3 tensor in 4x4 blocks (partial at the edges); slices on and off the block grid."""
-    from model import hf_files
+    from model.io import hf_files
 
     rng = np.random.RandomState(0)
     w = rng.uniform(-448, 448, (10, 13)).astype(ml_dtypes.float8_e4m3fn)
@@ -110,8 +110,9 @@ def test_fp8_slice_is_the_slice_of_the_tensor_dequantized_whole(tmp_path):
 def test_load_sharded_has_the_trainers_shardings_and_reads_each_block_once(
     qwen3_moe, mesh_shape, scan_layers
 ):
-    from model import hf, hf_config, sharding
-    from rl import train_step
+    from model import sharding
+    from model.io import hf, hf_config
+    from rl import train_state
 
     path, _ = qwen3_moe
     cfg = _run_config(path, **mesh_shape)
@@ -132,7 +133,7 @@ def test_load_sharded_has_the_trainers_shardings_and_reads_each_block_once(
     ):
         assert p == q and np.asarray(_value(a)).tobytes() == np.asarray(_value(b)).tobytes(), p
 
-    _, state = train_step.init_state(cfg, mesh=mesh, params=params, model_state=model_state)
+    _, state = train_state.init_state(cfg, mesh=mesh, params=params, model_state=model_state)
     for mine, placed in zip(_leaves(params), _leaves(state.params), strict=True):
         assert _value(placed) is _value(mine)  # already where init_state puts it: no move
     for mine, placed in zip(_leaves(model_state), _leaves(state.model_state), strict=True):
@@ -144,7 +145,8 @@ def test_a_split_inner_dim_of_a_flattened_hf_dim_reads_rows_whole_then_cuts(qwen
     [hidden, heads * head_dim], so a device's half of head_dim is no contiguous range. Each of the 2 blocks
     reads the whole flattened dim and cuts it: q, k, v, o are read twice; every other tensor once."""
     from configs.base import DEFAULT_RULES
-    from model import hf, hf_files, sharding
+    from model import sharding
+    from model.io import hf, hf_files
 
     path, _ = qwen3_moe
     rules = [(n, "tensor" if n == "head_dim" else None if "heads" in n else a) for n, a in DEFAULT_RULES]
@@ -172,7 +174,8 @@ def test_a_split_inner_dim_of_a_flattened_hf_dim_reads_rows_whole_then_cuts(qwen
 def test_fp8_checkpoint_loads_sharded_as_unsharded(qwen3_moe, tmp_path):
     """The checkpoint's matrices quantized to e4m3 in 3x3 blocks, which the fsdp-8 blocks (4 of the 32
     hidden columns) cut through: the mesh load equals the one-device load bit for bit."""
-    from model import hf, hf_config, sharding
+    from model import sharding
+    from model.io import hf, hf_config
 
     path, _ = qwen3_moe
     out = {}
@@ -202,7 +205,8 @@ def test_fp8_checkpoint_loads_sharded_as_unsharded(qwen3_moe, tmp_path):
 
 def test_sharded_state_saves_the_original_bytes(qwen3_moe, tmp_path):
     """One process, params on fsdp 8: `save` assembles each tensor from the 8 devices' blocks."""
-    from model import hf, sharding
+    from model import sharding
+    from model.io import hf
 
     path, _ = qwen3_moe
     cfg = _run_config(path, fsdp=8)
@@ -285,15 +289,15 @@ def _child(src: str, out: str, report: str) -> None:
     from rl import distributed
 
     distributed.initialize()
-    from model import hf
-    from rl import train_step
+    from model.io import hf
+    from rl import train_state
 
     cfg = _run_config(src, fsdp=8)
     mesh = distributed.trainer_mesh(cfg)
     params, model_state, stats = hf.load_sharded(src, cfg, mesh)
-    _, state = train_step.init_state(cfg, mesh=mesh, params=params, model_state=model_state)
+    _, state = train_state.init_state(cfg, mesh=mesh, params=params, model_state=model_state)
     placed = all(_value(a) is _value(b) for a, b in zip(_leaves(params), _leaves(state.params), strict=True))
-    mine = hf.save(cfg, train_step.weights(state), out, max_shard_bytes=MAX_SHARD_BYTES)
+    mine = hf.save(cfg, train_state.weights(state), out, max_shard_bytes=MAX_SHARD_BYTES)
     distributed.barrier("saved")
     with open(report, "w") as f:
         json.dump(

@@ -80,10 +80,10 @@ def _wait(procs, log_dir, timeout=1500.0) -> None:
 
 
 def _final(workdir, step=None):
-    from rl import checkpoint, train_step
+    from rl import checkpoint, train_state
 
     cfg = grpo.get_config("test")
-    _, target = train_step.init_state(cfg, seed=cfg.rl.seed)
+    _, target = train_state.init_state(cfg, seed=cfg.rl.seed)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=1)
     state, meta = ckpt.restore(step, target_state=target)
     ckpt.close()

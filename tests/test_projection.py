@@ -9,7 +9,7 @@ import pytest
 
 from configs import grpo as grpo_config
 from model.config import ConfigError
-from rl import projection, validate
+from rl import losses, projection, train_state, validate
 from rl import train_step as ts
 
 B, T, PROMPT = 8, 16, 6
@@ -92,14 +92,14 @@ def test_domain_losses_and_gradients_add_up_to_the_batch(aggregation):
     cfg.rl.loss.aggregation = aggregation
     if aggregation == "seq-mean-token-sum-norm":
         cfg.rl.loss.max_tokens = T
-    model_def, state = ts.init_state(cfg, seed=0)
-    model_def = ts._as_model_def(model_def)._replace(rest=state.model_state)
+    model_def, state = train_state.init_state(cfg, seed=0)
+    model_def = train_state.as_model_def(model_def)._replace(rest=state.model_state)
     batch = _batch((0, 1, 1, 0, 1, 0, 0, -1), lens=LENS[:-1] + (0,))  # row 7: padding (no tokens, -1)
-    units = lambda mask_MBT: ts._units_M(aggregation, mask_MBT)
+    units = lambda mask_MBT: losses.units_M(aggregation, mask_MBT)
     w = 0.7  # a micro-batch's share: carried into every domain's loss
 
     def full(p):
-        return ts._grpo_loss(cfg, model_def, p, batch, w, 1)[0]
+        return losses.grpo_loss(cfg, model_def, p, batch, w, 1)[0]
 
     def per_domain(p):
         return ts._grpo_domain_losses(cfg, model_def, p, batch, w, 1, units_fn=units, num_domains=2)[0]
@@ -117,7 +117,7 @@ def test_domain_losses_and_gradients_add_up_to_the_batch(aggregation):
 
 def test_one_domain_batch_is_the_plain_step():
     cfg = _cfg()
-    model_def, state0 = ts.init_state(cfg, seed=0)
+    model_def, state0 = train_state.init_state(cfg, seed=0)
     batch = _batch((1,) * B)
     plain, plain_m = ts.make_train_step(cfg, model_def)(_copy(state0), batch)
     cfg_p = _cfg(gradient_projection=True)
@@ -139,7 +139,7 @@ def test_a_domain_without_rows_gets_no_gradient_on_the_demo_model():
     cfg = grpo_config.get_config("demo")
     cfg.rl.domains = ("math", "strings")
     b, t = 128, 52
-    model_def, state0 = ts.init_state(cfg, seed=0)
+    model_def, state0 = train_state.init_state(cfg, seed=0)
     t_BT = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     mask_BT = ((t_BT >= 36) & (t_BT < 46) & (np.arange(b) < 8)[:, None]).astype(np.float32)
     rng = np.random.default_rng(0)
@@ -167,7 +167,7 @@ def test_exactly_conflicting_domains_cancel():
       = -G/4 + G/4 = 0. The update is 0: grad_norm 0, conflicts 2, cosine -1."""
     cfg = _cfg()
     cfg.model.moe.z_loss_weight = 0.0
-    model_def, state0 = ts.init_state(cfg, seed=0)
+    model_def, state0 = train_state.init_state(cfg, seed=0)
     half = jax.random.randint(jax.random.key(3), (B // 2, T), 0, 256, jnp.int32)
     advantages = (1.0,) * 4 + (-0.5,) * 4
     batch = _batch((0,) * 4 + (1,) * 4, jnp.concatenate([half, half]), advantages, lens=LENS[:4] * 2)
@@ -195,12 +195,12 @@ def test_sharded_equals_single_device():
     from model import sharding
 
     cfg = _cfg(gradient_projection=True)
-    model_def, state0 = ts.init_state(cfg, seed=0)
+    model_def, state0 = train_state.init_state(cfg, seed=0)
     batch = _batch((0, 1, 1, 0, 1, 0, 0, 1))
     single, single_m = ts.make_train_step(cfg, model_def)(_copy(state0), batch)
     cfg.mesh.shape.update({"data": 2, "expert": 2, "tensor": 2})
     mesh = sharding.make_mesh(cfg.mesh.shape)
-    model_def, state = ts.init_state(cfg, mesh=mesh, seed=0)
+    model_def, state = train_state.init_state(cfg, mesh=mesh, seed=0)
     sharded, m = ts.make_train_step(cfg, model_def, mesh=mesh)(state, batch)
     assert _max_diff(single.params, sharded.params) < 2e-5  # f32 sums over shards in another order
     for name in ("loss", "grad_norm", "projection/cosine/arith|strings", "projection/kept"):

@@ -16,6 +16,7 @@ from jax import monitoring
 from configs import grpo
 from model import seeds, sharding
 from model import transformer as model
+from rl import train_state
 from rl import train_step as ts
 
 
@@ -25,7 +26,7 @@ def _cfg():
 
 @pytest.fixture(scope="module")
 def graph():
-    model_def, _ = ts.init_state(_cfg(), seed=0)
+    model_def, _ = train_state.init_state(_cfg(), seed=0)
     return model_def
 
 
@@ -96,7 +97,7 @@ def test_steps_are_shared_exactly_when_their_configs_are(graph):
     sft = ts.make_sft_step(_cfg(), graph)
     assert sft is not step and ts.make_sft_step(_with(_cfg(), "rl.eval.k", 9), graph) is sft
     # Another model: another graph definition, another step.
-    other, _ = ts.init_state(_with(_cfg(), "model.d_ff", 64), seed=0)
+    other, _ = train_state.init_state(_with(_cfg(), "model.d_ff", 64), seed=0)
     assert ts.make_train_step(_with(_cfg(), "model.d_ff", 64), other) is not step
     # Another mesh.
     mesh = sharding.make_mesh({"data": 8})
@@ -108,7 +109,7 @@ def test_a_second_update_traces_and_compiles_nothing(graph):
     only in fields no step reads: the second compiles nothing, and gives the same result."""
     cfg = _with(_with(_cfg(), "rl.loss.kl_kind", "k3"), "rl.ppo_epochs", 2)
     cfg.rl.loss.kl_coef = 0.1
-    _, state = ts.init_state(cfg, seed=0)
+    _, state = train_state.init_state(cfg, seed=0)
     rows, length = 8, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
     rng = np.random.default_rng(0)
     mask = np.zeros((rows, length), np.float32)

@@ -22,7 +22,7 @@ from flax import nnx
 import model
 from configs import grpo as grpo_config
 from model import sharding
-from rl import grpo
+from rl import grpo, losses, train_state
 from rl import train_step as ts
 
 B, T, PROMPT = 8, 16, 6
@@ -81,7 +81,7 @@ def traces():
 @pytest.fixture(scope="module")
 def setup(traces):
     cfg = _cfg()
-    model_def, state0 = ts.init_state(cfg, seed=0)
+    model_def, state0 = train_state.init_state(cfg, seed=0)
     return cfg, model_def, state0, ts.make_train_step(cfg, model_def)
 
 
@@ -157,10 +157,12 @@ def test_logit_window_equals_full_logits(setup, stepped):
     positions per row instead of 16: the same step, metrics and log-probs as every position's logits."""
     _, model_def, state0, _ = setup
     _, full, full_metrics, _ = stepped
-    assert ts.logit_window(_cfg(), T) == 0  # tiny's max_new_tokens 32: no shorter window at T = 16
-    assert ts.logit_window(_cfg(max_new_tokens=10, max_turns=2), T) == 0  # multi-turn rows: every position
+    assert losses.logit_window(_cfg(), T) == 0  # tiny's max_new_tokens 32: no shorter window at T = 16
+    assert (
+        losses.logit_window(_cfg(max_new_tokens=10, max_turns=2), T) == 0
+    )  # multi-turn rows: every position
     cfg = _cfg(max_new_tokens=10)
-    assert ts.logit_window(cfg, T) == 10 == max(LENS)
+    assert losses.logit_window(cfg, T) == 10 == max(LENS)
     windowed, metrics = ts.make_train_step(cfg, model_def)(_copy(state0), _batch())
     assert _max_diff(full.params, windowed.params) < ACCUM_ATOL
     for name in ("loss", "policy_loss", "moe_loss", "grad_norm", "clip_fraction", "tokens"):
@@ -177,7 +179,7 @@ def test_sharded_equals_single_device(stepped):
     cfg = _cfg()
     cfg.mesh.shape.update({"data": 2, "expert": 2, "tensor": 2})
     mesh = sharding.make_mesh(cfg.mesh.shape)
-    model_def, state = ts.init_state(cfg, mesh=mesh, seed=0)
+    model_def, state = train_state.init_state(cfg, mesh=mesh, seed=0)
     expected = sharding.state_shardings(state.params, mesh, cfg.mesh.rules)
     state1, metrics = ts.make_train_step(cfg, model_def, mesh=mesh)(state, _batch())
     assert _max_diff(single.params, state1.params) < SHARD_ATOL
@@ -192,7 +194,7 @@ def test_sharded_equals_single_device(stepped):
 def test_routing_replay(setup):
     cfg, model_def, state0, _ = setup
     replay_cfg = _cfg(routing_replay=True)
-    indices = lambda c: jax.jit(lambda p, b: ts.policy_forward(c, model_def, p, b)[1]["expert_indices"])
+    indices = lambda c: jax.jit(lambda p, b: losses.policy_forward(c, model_def, p, b)[1]["expert_indices"])
     replayed, free = indices(replay_cfg), indices(cfg)
     batch = _batch()
     sampled_LBTk = free(state0.params, batch)  # the sampler's routing
@@ -207,13 +209,13 @@ def test_routing_replay(setup):
     with pytest.raises(ValueError, match=r"rl\.routing_replay"):
         ts.make_train_step(replay_cfg, model_def)(_copy(state0), batch)
     with pytest.raises(ValueError, match=r"rl\.routing_replay"):
-        ts.policy_forward(replay_cfg, model_def, state0.params, batch)
+        losses.policy_forward(replay_cfg, model_def, state0.params, batch)
 
 
 def test_schedule_values_and_optim_errors(stepped):
     o = _cfg().rl.optim
     o.update(lr=1e-3, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
-    schedule = ts.make_schedule(o)
+    schedule = train_state.make_schedule(o)
     # step 0: lr * 1/10; warmup end (steps 9 and 10): lr; step 60, half-way through the cosine:
     # 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + cos(pi/2)) = 5.5e-4; total_steps and after: min_lr_ratio * lr.
     for s, want in ((0, 1e-4), (9, 1e-3), (10, 1e-3), (60, 5.5e-4), (110, 1e-4), (500, 1e-4)):
@@ -234,13 +236,13 @@ def test_schedule_values_and_optim_errors(stepped):
         broken.update(warmup_steps=10, total_steps=110)
         broken[field] = value
         with pytest.raises(ValueError, match=pattern):
-            ts.make_optimizer(broken)
+            train_state.make_optimizer(broken)
 
 
 def test_sft_step_lowers_masked_cross_entropy(setup):
     cfg, model_def, state0, _ = setup
     step = ts.make_sft_step(cfg, model_def)
-    batch = {k: _batch()[k] for k in ts.SFT_KEYS}
+    batch = {k: _batch()[k] for k in train_state.SFT_KEYS}
     logits_BTV, _ = model_def.merge(state0.params)(batch["tokens_BT"], batch["positions_BT"])
     ce0 = model.next_token_loss(logits_BTV, batch["tokens_BT"], batch["mask_BT"])
     state, ces = _copy(state0), []
@@ -259,7 +261,7 @@ def test_config_variants():
     assert small.model.vocab_size == 8192 and small.rl.optim.lr == 1e-5
     for cfg in (tiny, small):
         grpo.validate_loss_config(cfg.rl.loss)
-        ts.make_optimizer(cfg.rl.optim)
+        train_state.make_optimizer(cfg.rl.optim)
         assert cfg.batch_size == cfg.rl.prompts_per_step * cfg.rl.group_size
     with pytest.raises(ValueError, match="configs/grpo.py: unknown argument 'huge'"):
         grpo_config.get_config("huge")
