@@ -33,6 +33,7 @@ from flax import nnx
 
 from inference import layout, routing, sampling, speculative
 from inference.sampling import SamplingArrays
+from model import logprobs
 from model.kv_cache import PagedCache, page_keys
 
 
@@ -427,15 +428,11 @@ def score(graphdef, params, tokens_BT, arrays: SamplingArrays):
     """Teacher-forced (processed_BT, raw_BT): log-probs of tokens[:, t] from the plain forward's logits at
     t - 1 (position 0 gets 0), under each row's sampling parameters and untempered."""
     logits_BTV, _ = nnx.merge(graphdef, params)(tokens_BT)
-    targets_BT = jnp.roll(tokens_BT, -1, axis=1)
+    targets_BT = logprobs.shifted(tokens_BT)
     raw_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
     processed_BTV = _processed_rows(logits_BTV, arrays)
-
-    def pick(logp_BTV):
-        picked_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-        return jnp.pad(picked_BT[:, :-1], ((0, 0), (1, 0)))
-
-    return pick(processed_BTV), pick(raw_BTV)
+    scored = lambda logp_BTV: logprobs.at_tokens(logprobs.pick(logp_BTV, targets_BT))  # noqa: E731
+    return scored(processed_BTV), scored(raw_BTV)
 
 
 def copy_pages(kv: dict, src_N, dst_N) -> dict:

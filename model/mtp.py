@@ -23,6 +23,7 @@ import ml_collections
 from flax import nnx
 
 from model import layers
+from model.logprobs import masked_nll
 
 
 class MTPModule(nnx.Module):
@@ -44,23 +45,9 @@ class MTPModule(nnx.Module):
         return self.block(x_BTD, positions_BT, segment_ids_BT, cache, None)
 
 
-def shifted(tokens_BT: jax.Array, k: int) -> jax.Array:
-    """tokens[:, i + k] at position i (the last k positions get token 0; their predictions are unused)."""
-    return jnp.pad(tokens_BT[:, k:], ((0, 0), (0, k)))
-
-
 def mtp_loss(logits_DBTV: jax.Array, tokens_BT: jax.Array, mask_BT: jax.Array | None = None) -> jax.Array:
     """Mean over depths of the cross-entropy of module k's prediction of token i + k + 1 at position i,
     counted where that token exists (and mask[:, i + k + 1])."""
-    losses = []
-    b, t = tokens_BT.shape
-    for k in range(1, logits_DBTV.shape[0] + 1):
-        logp_BTV = jax.nn.log_softmax(logits_DBTV[k - 1].astype(jnp.float32), axis=-1)
-        target_BT = shifted(tokens_BT, k + 1)
-        nll_BT = -jnp.take_along_axis(logp_BTV, target_BT[..., None], axis=-1)[..., 0]
-        valid_BT = jnp.broadcast_to(jnp.arange(t) < t - k - 1, (b, t))
-        if mask_BT is not None:
-            valid_BT = valid_BT & shifted(mask_BT, k + 1).astype(bool)
-        w_BT = valid_BT.astype(jnp.float32)
-        losses.append(jnp.sum(nll_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0))
+    depths = logits_DBTV.shape[0]
+    losses = [masked_nll(logits_DBTV[k - 1], tokens_BT, mask_BT, k=k + 1) for k in range(1, depths + 1)]
     return jnp.mean(jnp.stack(losses))

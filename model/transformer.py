@@ -19,12 +19,12 @@ import ml_collections
 from flax import nnx
 
 from model import config as config_lib
-from model import layers, seeds, sharding
+from model import layers, logprobs, seeds, sharding
 from model.attention import Attention
 from model.kv_cache import DenseCache, PagedCache
 from model.mla import MLAttention, cache_width
 from model.moe.layer import MoEBlock
-from model.mtp import MTPModule, shifted
+from model.mtp import MTPModule
 
 ACT = ("act_batch", "act_length", "act_embed")
 REMAT_POLICIES = {
@@ -315,7 +315,7 @@ class Transformer(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
         out, h_BTD = [], hidden_BTD
         for k, module in enumerate(self.mtp, start=1):
-            emb_BTD = self.embed(shifted(tokens_BT, k))
+            emb_BTD = self.embed(logprobs.shifted(tokens_BT, k))
             h_BTD, _, _ = module(h_BTD, emb_BTD, positions_BT, segment_ids)
             out.append(self._logits(module.norm(h_BTD), normed=True))
         return jnp.stack(out)
@@ -422,15 +422,5 @@ def _sharded_init(cfg: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh,
 
 
 def next_token_loss(logits_BTV: jax.Array, tokens_BT: jax.Array, mask_BT=None) -> jax.Array:
-    """Mean cross-entropy of predicting tokens[:, t + 1] from logits[:, t] (where mask[:, t + 1]).
-
-    Targets are shifted instead of logits sliced: slicing [:, :-1] copies the whole [B, T, V] tensor.
-    """
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    targets_BT = jnp.roll(tokens_BT, -1, axis=1)
-    nll_BT = -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    valid_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]) < tokens_BT.shape[1] - 1, tokens_BT.shape)
-    if mask_BT is not None:
-        valid_BT = valid_BT & jnp.roll(mask_BT, -1, axis=1).astype(bool)
-    weight_BT = valid_BT.astype(nll_BT.dtype)
-    return jnp.sum(nll_BT * weight_BT) / jnp.maximum(jnp.sum(weight_BT), 1.0)
+    """Mean cross-entropy of predicting tokens[:, t + 1] from logits[:, t] (where mask[:, t + 1])."""
+    return logprobs.masked_nll(logits_BTV, tokens_BT, mask_BT)

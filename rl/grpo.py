@@ -30,6 +30,7 @@ import numpy as np
 from configs import schema
 from configs.fields import LOSS
 from inference import sampling
+from model import logprobs
 
 Array = jax.Array
 
@@ -157,11 +158,8 @@ def token_logprobs(
         # Clipped positions all land on t = T - 1 and add 0 there.
         logp_BT = jnp.zeros(tokens_BT.shape, logp_BK.dtype)
         return logp_BT.at[rows_B1, index_BK].add(jnp.where(valid_BK, logp_BK, 0.0))
-    # Position t predicts token t + 1; rolling the [B, T] targets avoids slicing (copying) [B, T, V] logits.
-    next_BT = jnp.roll(tokens_BT, -1, axis=1)
-    logp_next_BT = _next_logprobs(logits_BTV, next_BT, temperature, top_k, top_p, min_p)
-    logp_BT = jnp.roll(logp_next_BT, 1, axis=1)  # The wrapped-around value lands on t = 0 and is zeroed.
-    return logp_BT.at[:, 0].set(0.0)
+    next_BT = logprobs.shifted(tokens_BT)  # position t predicts token t + 1
+    return logprobs.at_tokens(_next_logprobs(logits_BTV, next_BT, temperature, top_k, top_p, min_p))
 
 
 def window_positions(mask_BT: Array, size: int) -> Array:
@@ -179,7 +177,7 @@ def _next_logprobs(
     if top_k or top_p < 1.0 or min_p:
         return _processed_logprobs(logits_BKV, next_BK, temperature, top_k, top_p, min_p)
     logits_BKV = _f32(logits_BKV) / temperature
-    picked_BK = jnp.take_along_axis(logits_BKV, next_BK[:, :, None], axis=-1)[:, :, 0]
+    picked_BK = logprobs.pick(logits_BKV, next_BK)
     return picked_BK - jax.nn.logsumexp(logits_BKV, axis=-1)
 
 
@@ -196,7 +194,7 @@ def _processed_logprobs(
         min_p_B=jnp.full((rows,), min_p, jnp.float32),
     )
     logp_RV = sampling.processed_logprobs(logits_BTV.reshape(rows, vocab), arrays)
-    picked_R = jnp.take_along_axis(logp_RV, next_BT.reshape(rows, 1), axis=-1)[:, 0]
+    picked_R = logprobs.pick(logp_RV[:, None], next_BT.reshape(rows, 1))[:, 0]
     # maximum() sends no cotangent to the -inf it replaces: the dropped token's gradient is 0, not NaN.
     return jnp.maximum(picked_R, LOGP_FLOOR).reshape(batch, length)
 
