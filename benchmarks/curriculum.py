@@ -7,7 +7,7 @@ python -m benchmarks curriculum --derive
             (1 - floor * (D - 1)), the jumps larger than 0.3, and how often the weight turns (the sign of a
             change of more than 0.001 differs from the previous such change): a trend turns a few times,
             noise on every other step. One JSON line, appended to --out when given.
---derive    The failure probabilities that tests/test_curriculum.py's simulated-curve tests quote, derived
+--derive    The failure probabilities that tests/rl/test_curriculum.py's simulated-curve tests quote, derived
             without running the scheduler: every estimate is taken as normal, with the standard error that
             the discounted regression's weights (rl/curriculum.py's docstring) give under the true
             p (1 - p) / n of each step's mean, along the allocation path the rule should follow; then union

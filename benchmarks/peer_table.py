@@ -4,7 +4,7 @@ The README's table of speed beside the peers, built from the committed raw lines
 `benchmarks/results/grpo_step.jsonl` (`benchmarks/grpo_step.py --tunix_python=...`) and
 `benchmarks/results/decode_peer.jsonl` (`benchmarks/decode.py --sections=peer,speculative --hf_python=...
 --tunix_python=...`). Prints the table; `--write README.md` replaces the lines between the README's
-`<!-- peer table -->` markers with it (tests/test_peer_table.py checks that the two agree).
+`<!-- peer table -->` markers with it (tests/benchmarks/test_peer_table.py checks that the two agree).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def _xla_knows(flag: str) -> bool:
 
 # XLA:CPU's MLIR fusion emitters took 18% of a cold main job's CPU time (perf). Off, XLA:CPU emits its
 # fusions with the elemental IR emitter, its older, still supported code path (a few fusion choices, around
-# scatters, differ). Measured on 2 cores, cold caches: tests/test_train_step.py plus test_train_end_to_end
+# scatters, differ). Measured on 2 cores, cold caches: tests/rl/test_train_step.py plus test_train_end_to_end
 # 88 -> 58 s, the whole suite 1198 -> 832-929 s (3 runs). Results may differ in the last bit (other order); a
 # test that depends on the last bit is wrong either way. The main job, benchmarks and demo keep the emitters.
 if "xla_cpu_use_fusion_emitters" not in _flags and _xla_knows("xla_cpu_use_fusion_emitters"):

@@ -116,7 +116,7 @@ def test_checker_flags_a_planted_line(path, line):
         ("benchmarks/results/grpo_step.jsonl", '{"command": "--tunix_python=<tunix-venv>/bin/python"}'),
         ("benchmarks/results/learning.jsonl", '{"out": "<outside>/sum.jsonl"}'),
         ("envs/qa/probes.py", "for _path in (" + TMP + '" + _TOKEN, "/var/tmp/" + _TOKEN):'),
-        ("tests/test_sandbox.py", f'sb.write("{DOTS}/escaped", "x")'),
+        ("tests/envs/test_sandbox.py", f'sb.write("{DOTS}/escaped", "x")'),
         (
             "benchmarks/sandbox_memory.py",
             f'sys.path.insert(0, os.path.join(os.path.dirname(HERE), "{DOTS}"))',

@@ -15,7 +15,7 @@ only the dispatch runs inside the shard_map, on every device of the mesh at once
    (`jax.lax.ragged_all_to_all`, only the filled slots: chunk j lands at offset (sender) * C of shard j).
    `model.moe.ep_exchange`: auto is the padded one on every backend. The ragged one has never run: XLA:CPU
    lacks it ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter", jax 0.10.2) and no
-   accelerator has run `tests/test_expert_parallel.py::test_ragged_exchange_on_accelerator` (marked
+   accelerator has run `tests/model/test_expert_parallel.py::test_ragged_exchange_on_accelerator` (marked
    `accelerator`) yet; auto may pick it on a backend only once that test has passed there.
 3. Receiver: rows [J * C, D] from each sender in turn, each sender's sorted by expert; a row's local
    expert comes from the counts (X: an empty slot); `ragged_dispatch` (one row = one assignment of

@@ -44,7 +44,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 from ml_collections import ConfigDict
 
-from configs import grpo, schema
+from configs import schema
+from configs.fields import RL
 from configs.schema import ConfigError
 from inference import layout, routing
 from inference.drafters import split_weights
@@ -118,7 +119,7 @@ def with_rl(cfg: ConfigDict) -> ConfigDict:
         return cfg
     out = cfg.copy_and_resolve_references()
     with out.unlocked():  # a config from --config is locked
-        out.rl = schema.build(grpo.RL)
+        out.rl = schema.build(RL)
     return out
 
 

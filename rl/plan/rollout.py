@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from configs.base import DTYPES
+from configs.fields import DTYPES
 from inference.layout import inference_config
 from model import config as config_lib
 from model import plan as plan_lib
