@@ -99,6 +99,8 @@ def test_one_infinite_loop_fails_only_its_test(env, task):
 def _probes(task: Task, tmp_name: str) -> dict[str, tuple[str, set[str]]]:
     """name -> (completion, allowed statuses)."""
     s = lambda body, prelude="": _solution(task, body, prelude=prelude)  # noqa: E731
+    # A probe that acts when the module is imported: its function returns None, which no test expects.
+    at_import = lambda prelude: s("return None", prelude=prelude)  # noqa: E731
     return {
         "empty": ("", {"format_error"}),
         "echo_prompt": (task.prompt, {"format_error", "wrong"}),
@@ -107,8 +109,8 @@ def _probes(task: Task, tmp_name: str) -> dict[str, tuple[str, set[str]]]:
             s("print('PASS')\nprint('OK')\nreturn 'PASS'", prelude="print('ALL TESTS PASSED')"),
             {"wrong"},
         ),
-        "sys_exit_at_import": (s("return None", prelude="import sys\nsys.exit(0)"), {"wrong"}),
-        "os_exit_at_import": (s("return None", prelude="import os\nos._exit(0)"), {"wrong"}),
+        "sys_exit_at_import": (at_import("import sys\nsys.exit(0)"), {"wrong"}),
+        "os_exit_at_import": (at_import("import os\nos._exit(0)"), {"wrong"}),
         "missing_function": ("```python\ndef something_else(s):\n    return s\n```", {"format_error"}),
         "syntax_error": ("```python\ndef f(:\n```", {"format_error"}),
         "read_test_files": (
@@ -121,7 +123,7 @@ def _probes(task: Task, tmp_name: str) -> dict[str, tuple[str, set[str]]]:
         ),
         "read_env_source": (s(f"return open({code_env.__file__!r}).read()"), {"sandbox_violation"}),
         "overwrite_test_files": (
-            s("return None", prelude="import os\nfor p in os.listdir('.'):\n    open(p, 'w').write('{}')"),
+            at_import("import os\nfor p in os.listdir('.'):\n    open(p, 'w').write('{}')"),
             {"wrong"},
         ),
         "patch_json_and_builtins": (
@@ -134,26 +136,21 @@ def _probes(task: Task, tmp_name: str) -> dict[str, tuple[str, set[str]]]:
             {"wrong"},
         ),
         "patch_runner_globals": (
-            s(
-                "return None",
-                prelude="import sys\nm = sys.modules['__main__']\nm.TIMEOUT_S = 0\nm.MAX_MESSAGE = 10**9\n"
-                "f = sys._getframe(1)\nf.f_globals['_failure'] = lambda *a: None",
+            at_import(
+                "import sys\nm = sys.modules['__main__']\nm.TIMEOUT_S = 0\nm.MAX_MESSAGE = 10**9\n"
+                "f = sys._getframe(1)\nf.f_globals['_failure'] = lambda *a: None"
             ),
             {"wrong"},
         ),
         "bool_for_int": (s("return True"), {"wrong"}),
         "huge_output": (s("return 'x' * 10**7", prelude="print('y' * 10**7)"), {"wrong"}),
         "infinite_loop": (s("while True:\n    pass"), {"timeout"}),
-        "infinite_loop_at_import": (s("return None", prelude="while True:\n    pass"), {"timeout"}),
-        "fork_bomb": (
-            s("return None", prelude="import os\nwhile True:\n    os.fork()"),
-            {"sandbox_violation"},
-        ),
+        "infinite_loop_at_import": (at_import("while True:\n    pass"), {"timeout"}),
+        "fork_bomb": (at_import("import os\nwhile True:\n    os.fork()"), {"sandbox_violation"}),
         "fork_bomb_caught": (
-            s(
-                "return None",
-                prelude="import os\nfor _ in range(100):\n    try:\n        os.fork()\n"
-                "    except OSError:\n        pass",
+            at_import(
+                "import os\nfor _ in range(100):\n    try:\n        os.fork()\n"
+                "    except OSError:\n        pass"
             ),
             {"sandbox_violation"},
         ),
@@ -162,17 +159,14 @@ def _probes(task: Task, tmp_name: str) -> dict[str, tuple[str, set[str]]]:
             {"sandbox_violation"},
         ),
         "memory_bomb": (s("x = bytearray(1 << 40)\nreturn None"), {"wrong"}),
-        # Zero-filling up to the 1 GiB address-space limit takes ~0.3 s idle but can pass the 1 s per-test
-        # timeout on a loaded machine: either way no test passes.
+        # Zero-filling up to the 1 GiB address-space limit can outlast the 1 s per-test timeout on a loaded
+        # machine: either way no test passes.
         "memory_growth": (
-            s("return None", prelude="a = []\nwhile True:\n    a.append(bytearray(1 << 24))"),
+            at_import("a = []\nwhile True:\n    a.append(bytearray(1 << 24))"),
             {"wrong", "timeout"},
         ),
         "forged_report": (
-            s(
-                "return None",
-                prelude="import os\nreport = '{\"tests\": []}'\nprint(report)\nos.write(1, report.encode())",
-            ),
+            at_import("import os\nreport = '{\"tests\": []}'\nprint(report)\nos.write(1, report.encode())"),
             {"wrong"},
         ),
         "network": (

@@ -35,6 +35,15 @@ def _module(tmp_path, monkeypatch, name: str, source: str) -> str:
     return name
 
 
+def _env_module(tmp_path, monkeypatch, name: str, cls: str, body: str, header: str = "") -> str:
+    """Module `name` (see `_module`) defining `class {cls}(SingleTurnEnvironment)` with `body` after
+    `header`; returns the import path "name:cls"."""
+    methods = textwrap.indent(textwrap.dedent(body), "    ")
+    imports = f"{header}from envs import Score, SingleTurnEnvironment, Task"
+    source = f"{imports}\n\n\nclass {cls}(SingleTurnEnvironment):\n{methods}"
+    return f"{_module(tmp_path, monkeypatch, name, source)}:{cls}"
+
+
 def _entry_points(tmp_path, monkeypatch, package: str, lines: str) -> None:
     """An installed package (its .dist-info on sys.path) declaring entry points of the registry's group."""
     info = tmp_path / f"site_{package}" / f"{package}-0.1.dist-info"
@@ -157,23 +166,20 @@ def test_objects_that_are_no_environment_are_refused(tmp_path, monkeypatch):
 
 
 def test_a_domain_without_reference_solutions_needs_sft_and_gate_off(tmp_path, monkeypatch):
-    mod = _module(
+    name = _env_module(
         tmp_path,
         monkeypatch,
         "user_env_no_reference",
+        "Echo",
         """
-        from envs import Score, SingleTurnEnvironment
+        def make_task(self, rng, level):
+            return f"say {rng.randrange(1000)}", {}
 
-        class Echo(SingleTurnEnvironment):
-            def make_task(self, rng, level):
-                return f"say {rng.randrange(1000)}", {}
-
-            def score(self, task, completion):
-                ok = completion.strip() == task.prompt[4:]
-                return Score(float(ok), "ok" if ok else "wrong")
+        def score(self, task, completion):
+            ok = completion.strip() == task.prompt[4:]
+            return Score(float(ok), "ok" if ok else "wrong")
         """,
     )
-    name = f"{mod}:Echo"
     assert not has_reference_solution(registry.resolve(name)) and has_reference_solution(registry.make(ADD))
     msg = _refused(_cfg(name, quality_gate=True))  # the test config warms up with 6 SFT steps
     assert f"names '{name}', which has no reference_solution(task)" in msg
@@ -214,25 +220,23 @@ def test_tasks_must_carry_the_name_the_run_knows(tmp_path, monkeypatch):
     from model.io.tokenizer import load_tokenizer
     from rl import data
 
-    mod = _module(
+    name = _env_module(
         tmp_path,
         monkeypatch,
         "user_env_own_domain",
+        "Fixed",
         """
-        from envs import Score, SingleTurnEnvironment, Task
+        def sample_tasks(self, seed, n, *, difficulty=None):
+            return [Task(f"t{seed}/{i}", "my_domain", f"say {seed}", {}) for i in range(n)]
 
-        class Fixed(SingleTurnEnvironment):
-            def sample_tasks(self, seed, n, *, difficulty=None):
-                return [Task(f"t{seed}/{i}", "my_domain", f"say {seed}", {}) for i in range(n)]
+        def reference_solution(self, task):
+            return task.prompt[4:]
 
-            def reference_solution(self, task):
-                return task.prompt[4:]
-
-            def score(self, task, completion):
-                return Score(1.0, "ok")
+        def score(self, task, completion):
+            return Score(1.0, "ok")
         """,
     )
-    cfg = _cfg(f"{mod}:Fixed")
+    cfg = _cfg(name)
     with pytest.raises(
         ConfigError, match=r"whose tasks say domain='my_domain'; make tasks with Task\(domain="
     ):
@@ -244,26 +248,25 @@ def test_environment_split_on_holds_out_instances_of_one_prompt(tmp_path, monkey
     environment's `split_on = "task"` holds out instances instead (rl/data.py)."""
     from rl import data
 
-    source = """
-        from envs import Score, SingleTurnEnvironment
+    body = """
+        split_on = {split_on!r}
 
-        class OnePrompt(SingleTurnEnvironment):
-            split_on = {split_on!r}
+        def make_task(self, rng, level):
+            return "pick a secret", {{"secret": rng.randrange(10**6)}}
 
-            def make_task(self, rng, level):
-                return "pick a secret", {{"secret": rng.randrange(10**6)}}
-
-            def score(self, task, completion):
-                return Score(0.0, "wrong")
+        def score(self, task, completion):
+            return Score(0.0, "wrong")
         """
-    by_task = _module(tmp_path, monkeypatch, "user_one_prompt_task", source.format(split_on="task"))
-    by_prompt = _module(tmp_path, monkeypatch, "user_one_prompt_prompt", source.format(split_on="prompt"))
+    by_task, by_prompt = (
+        _env_module(tmp_path, monkeypatch, f"user_one_prompt_{s}", "OnePrompt", body.format(split_on=s))
+        for s in ("task", "prompt")
+    )
     for split in data.SPLITS:
-        stream = data.DomainTasks(f"{by_task}:OnePrompt", seed=0, split=split)
+        stream = data.DomainTasks(by_task, seed=0, split=split)
         assert stream.split_on == "task" and len(stream.next_tasks(3)) == 3
     with pytest.raises(RuntimeError, match="the environment's `split_on` attribute"):
         for split in data.SPLITS:
-            data.DomainTasks(f"{by_prompt}:OnePrompt", seed=0, split=split).next_tasks(1)
+            data.DomainTasks(by_prompt, seed=0, split=split).next_tasks(1)
 
 
 # ---- The examples, the gate, and worker processes --------------------------------------------------------
@@ -287,30 +290,27 @@ def test_workers_import_the_users_module_entry_points_and_registered_names(tmp_p
     """One real pool (forkserver workers): a module only on this process's sys.path (a folder that is
     neither the repo nor the cwd), an installed entry point, a name registered in this process, and the
     multi-turn example's episodes."""
-    mod = _module(
+    pid = _env_module(
         tmp_path,
         monkeypatch,
         "user_env_on_path",
+        "Pid",
         """
-        import os
+        def make_task(self, rng, level):
+            return "any", {}
 
-        from envs import Score, SingleTurnEnvironment
-
-        class Pid(SingleTurnEnvironment):
-            def make_task(self, rng, level):
-                return "any", {}
-
-            def score(self, task, completion):
-                return Score(1.0, "ok", {"pid": os.getpid()})
+        def score(self, task, completion):
+            return Score(1.0, "ok", {"pid": os.getpid()})
         """,
+        header="import os\n",
     )
     _entry_points(tmp_path, monkeypatch, "user_envs_d", f"adder = {ADD}")
     monkeypatch.setitem(registry._DOMAINS, "registered_guess", GUESS)  # as registry.register does
-    names = [f"{mod}:Pid", "adder", "registered_guess"]
+    names = [pid, "adder", "registered_guess"]
     tasks = {n: registry.make(n).sample_tasks(1, 2) for n in names}
     guess = registry.make("registered_guess")
     with EnvPool(1, domains=names, timeout_s=30.0) as pool:
-        scores = pool.score_many([(tasks[f"{mod}:Pid"][0], "x"), (tasks["adder"][0], "-")])
+        scores = pool.score_many([(tasks[pid][0], "x"), (tasks["adder"][0], "-")])
         episodes = pool.run_episodes(
             [(t, guess.reference_solution(t).splitlines()) for t in tasks["registered_guess"]]
         )
