@@ -20,7 +20,7 @@ import sys
 
 from configs import schema
 from configs.engine import SCHEDULERS, EngineConfig
-from configs.schema import Block, Bool, Choice, ConfigError, Field, Float, Int, Ints, Text
+from configs.schema import Block, Bool, Choice, ConfigError, Field, Float, Int, Ints, Registered, Text
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -48,8 +48,11 @@ MODEL = {
     "norm_eps": Float(1e-6, "RMSNorm epsilon", lo=0, lo_open=True),
     "tie_embeddings": Bool(False, "the output projection is the embedding matrix"),
     "qk_norm": Bool(False, "Qwen3-style per-head RMSNorm on queries and keys"),
-    "attention_impl": Choice(
-        "auto", "auto: flash on TPU/GPU, chunked elsewhere (model/attention.py)", ATTENTION_IMPLS
+    "attention_impl": Registered(
+        "auto",
+        "auto: flash on TPU/GPU, chunked elsewhere (model/attention.py)",
+        ATTENTION_IMPLS,
+        "model.attention.ATTENTION_IMPLS",
     ),
     "attention_bias": Bool(False, "a bias on the q/k/v projections (Qwen2)"),
     "attention_kind": Choice(
@@ -155,15 +158,20 @@ MODEL = {
 LOSS = {
     "clip_low": Float(0.2, "the ratio is clipped below at 1 - clip_low (PPO)", lo=0),
     "clip_high": Float(0.28, "... and above at 1 + clip_high (DAPO clip-higher: > clip_low)", lo=0),
-    "ratio": Choice("token", "token ratios, or GSPO's length-normalised sequence ratio", RATIOS),
-    "aggregation": Choice("token-mean", "how token losses become the batch loss", AGGREGATIONS),
+    "ratio": Registered(
+        "token", "token ratios, or GSPO's length-normalised sequence ratio", RATIOS, "rl.grpo.RATIOS"
+    ),
+    "aggregation": Registered(
+        "token-mean", "how token losses become the batch loss", AGGREGATIONS, "rl.grpo.AGGREGATIONS"
+    ),
     "max_tokens": Int(0, "the constant divisor of seq-mean-token-sum-norm (> 0 there, else unused)", lo=0),
-    "kl_kind": Choice("none", "KL estimator to the frozen step-0 reference", KL_KINDS),
+    "kl_kind": Registered("none", "KL estimator to the frozen step-0 reference", KL_KINDS, "rl.grpo.KL"),
     "kl_coef": Float(0.0, "weight of the KL term", lo=0),
-    "correction": Choice(
+    "correction": Registered(
         "tis",
         "weights from the sampler's log-probs (train-inference mismatch)",
         CORRECTIONS,
+        "rl.grpo.CORRECTIONS",
     ),
     "correction_low": Float(
         0.5, "lower edge of the icepop / seq-mask / seq-reject band", lo=0, hi=1, lo_open=True
@@ -238,7 +246,9 @@ RL = {
         1.0, "nucleus filter (1: off); the trainer's log-probs use the same", lo=0, hi=1, lo_open=True
     ),
     "top_k": Int(0, "top-k filter (0: off); the trainer's log-probs use the same", lo=0),
-    "advantage_std": Choice("group", "advantage scale: group, batch or none (Dr. GRPO)", ADVANTAGES),
+    "advantage_std": Registered(
+        "group", "advantage scale: group, batch or none (Dr. GRPO)", ADVANTAGES, "rl.grpo.ADVANTAGES"
+    ),
     # --- updates
     "micro_batches": Int(1, "gradient accumulation: micro-batches of one optimizer step (exact)", lo=1),
     "ppo_epochs": Int(1, "passes over each rollout batch (clipping engages from the second update)", lo=1),

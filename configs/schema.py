@@ -19,7 +19,7 @@ import ml_collections
 
 from configs.errors import UserError
 
-KINDS = ("int", "float", "bool", "str", "choice", "names", "ints", "block")
+KINDS = ("int", "float", "bool", "str", "choice", "registered", "names", "ints", "block")
 
 
 class ConfigError(UserError, ValueError):
@@ -36,7 +36,8 @@ class Field:
     lo_open: bool = False  # float: lo itself not allowed
     hi_open: bool = False
     inf_ok: bool = False  # float: +inf allowed (e.g. "no limit")
-    choices: tuple = ()  # choice / names: the allowed values
+    choices: tuple = ()  # choice / names: the allowed values; registered: the built-in names
+    registry: str = ""  # registered: where names are registered (checked there by rl.validate)
     value: Field | None = None  # block: the field of every entry (keys are free, e.g. domain names)
     of: Mapping[str, Field] | None = None  # block: partial overrides of another table's fields
 
@@ -51,6 +52,12 @@ class Field:
             return words + " or inf" if self.inf_ok else words
         if self.kind == "choice":
             return "one of " + ", ".join(repr(c) for c in self.allowed())
+        if self.kind == "registered":
+            return (
+                f"a name registered in {self.registry}: "
+                + ", ".join(repr(c) for c in self.allowed())
+                + ", ..."
+            )
         if self.kind == "names":
             return "distinct names from " + ", ".join(repr(c) for c in self.allowed())
         if self.kind == "block":
@@ -86,6 +93,9 @@ class Field:
         elif self.kind == "str":
             if not isinstance(v, str):
                 raise ConfigError(f"{path}={v!r} must be a string")
+        elif self.kind == "registered":
+            if not isinstance(v, str) or not v:
+                raise ConfigError(f"{path}={v!r} must be a name registered in {self.registry}")
         elif self.kind == "choice":
             allowed = self.allowed()
             if v not in allowed or not isinstance(v, type(allowed[0])):
@@ -152,6 +162,12 @@ def Text(default: str, doc: str) -> Field:
 
 def Choice(default, doc: str, choices: tuple) -> Field:
     return Field(default, doc, "choice", choices=choices)
+
+
+def Registered(default: str, doc: str, builtin: tuple, registry: str) -> Field:
+    """A name looked up in a registry at run time (`rl.validate.check_registries`): `builtin` are the names
+    the package registers itself; a name registered by the user's code before the run is allowed too."""
+    return Field(default, doc, "registered", choices=builtin, registry=registry)
 
 
 def Names(default: tuple, doc: str, choices: tuple) -> Field:

@@ -27,8 +27,8 @@ import ml_collections
 from flax import nnx
 
 from model import layers, rope, sharding
-from model.config import note_path
 from model.kv_cache import DenseCache, PagedCache
+from model.notes import note_path
 from pallas_kernels.mask import Mask
 
 # Finite so that a fully masked row gives a uniform softmax (then zeroed), never NaN.

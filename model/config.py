@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import ml_collections
 
+from configs import schema
+from configs.fields import MODEL
 from configs.schema import ConfigError  # one error type for every config check
 from model import sharding
+from model.attention import ATTENTION_IMPLS
 
-__all__ = ["ConfigError", "layer_counts", "note_path", "validate", "validate_model"]
-
-
-@functools.cache
-def note_path(message: str) -> None:
-    """Says once per process, at INFO (the main job's log.txt), which code path a config value chose where
-    it chose silently before (`auto` resolved, a fallback taken): e.g. the attention kernel, the experts'
-    dispatch."""
-    logging.getLogger("model").info(message)
+__all__ = ["ConfigError", "layer_counts", "validate", "validate_model"]
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -33,9 +25,12 @@ def _divides(field: str, value: int, by_field: str, by: int, fix: str) -> None:
 def validate_model(m: ml_collections.ConfigDict) -> None:
     """Every field against `configs.base.MODEL` (type, range, choices, no unknown names), then the rules
     that tie fields together."""
-    from configs import base, schema
-
-    schema.check(m, base.MODEL, "model")
+    schema.check(m, MODEL, "model")
+    _check(
+        m.attention_impl in ATTENTION_IMPLS,
+        f"model.attention_impl={m.attention_impl!r} is unknown; choose one of {sorted(ATTENTION_IMPLS)} "
+        "(or register one: model.attention.register_attention_impl)",
+    )
     _divides(
         "model.num_heads",
         m.num_heads,

@@ -53,7 +53,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from model import sharding
-from model.config import note_path
 from model.moe.dispatch import (
     combine_rows,
     gather_rows,
@@ -62,6 +61,7 @@ from model.moe.dispatch import (
     sort_by_expert,
     vary_like,
 )
+from model.notes import note_path
 
 MODES = ("auto", "shard_map", "gspmd")
 # Default of `model.moe.expert_parallel` until configs/base.py carries the field.

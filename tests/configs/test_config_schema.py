@@ -67,7 +67,7 @@ ARGS = {"grpo": ("tiny", "small", *grpo.VARIANTS, "test,deepseek"), "tiny": (Non
 def _config_files():
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
         name = os.path.basename(path)[:-3]
-        if name in ("__init__", "schema", "fields", "engine", "cli", "errors"):  # helpers, not config files
+        if name in ("__init__", "schema", "fields", "engine", "cli", "errors", "runs"):  # helpers, not configs
             continue
         module = importlib.import_module(f"configs.{name}")
         for arg in ARGS.get(name, (None,)):
@@ -144,7 +144,7 @@ def _bad_values(f: schema.Field) -> list:
         return bad
     if f.kind == "str":
         return [3, None]
-    if f.kind == "choice":
+    if f.kind in ("choice", "registered"):
         return ["no-such-choice", 3, None]
     if f.kind == "names":
         return [(), ("no-such-domain",), "debug", ("debug", "debug")]
@@ -392,6 +392,19 @@ def test_a_choice_the_registry_lacks_is_refused_naming_the_field_and_the_registr
         match=r"rl.loss.ratio='sequence' is not registered in rl.grpo.RATIOS; choose one of \['token'\]",
     ):
         validate.validate(cfg)
+
+
+def test_a_name_the_user_registers_is_a_valid_choice(monkeypatch):
+    """A ratio registered by the user's code (rl.grpo.register) is accepted by the config check; an
+    unregistered one is refused by the registry check, naming the field."""
+    from rl import grpo as grpo_lib
+
+    cfg = grpo.get_config("test")
+    cfg.rl.loss.ratio = "mine"
+    with pytest.raises(ConfigError, match=r"rl.loss.ratio='mine' is not registered in rl.grpo.RATIOS"):
+        validate.validate(cfg)
+    monkeypatch.setitem(grpo_lib.RATIOS, "mine", grpo_lib.RATIOS["token"])
+    validate.validate(cfg)
 
 
 def test_engine_defaults_are_engine_configs():
