@@ -1,23 +1,62 @@
-"""Helpers shared by the engine tests: a warmed-up engine, random prompts, the check that an engine gave back
-every page, the comparison of two engines' completions, and the host tier's round trip beside a twin."""
+"""Helpers shared by the engine tests: a plain forward over a padded row, a warmed-up engine (or a
+single-step and a many-step one), random prompts, stop tokens taken from a free run, the check that an
+engine gave back every page, the comparison of two engines' completions, and the host tier's round trip
+beside a twin."""
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from inference import kv_pages
+from inference.engine import Engine
+from inference.sampling import SamplingParams
+
+
+def padded_forward(m, outputs, length: int, time_axis: int = 0):
+    """`run(params, tokens)`: `outputs(net, tokens_BT)` of the network `m` with `params` over one row of
+    `tokens` right-padded to `length` (one compiled program for every row), each output array cut back to
+    len(tokens) positions along `time_axis` (causal: the padding never changes earlier positions)."""
+    graphdef = nnx.graphdef(m)
+
+    @jax.jit
+    def run_padded(params, tokens_T):
+        return outputs(nnx.merge(graphdef, params), tokens_T[None])
+
+    def run(params, tokens):
+        padded = np.zeros(length, np.int32)
+        padded[: len(tokens)] = tokens
+        cut = (slice(None),) * time_axis + (slice(len(tokens)),)
+        return jax.tree.map(lambda a: np.asarray(a)[cut], run_padded(params, padded))
+
+    return run
 
 
 def warm_engine(cfg, params, ecfg, draft=None, **fields):
     """An `Engine` on `ecfg` with `fields` replaced, warmed up (everything it runs compiled)."""
-    from inference.engine import Engine
-
     eng = Engine(cfg, params, dataclasses.replace(ecfg, **fields), draft=draft)
     eng.warmup()
     return eng
 
 
+def single_and_many(cfg, params, ecfg, decode_steps: int, make_draft=lambda: None):
+    """Two warmed-up engines on `ecfg` that differ only in steps per device call: 1 and `decode_steps`."""
+    single = warm_engine(cfg, params, ecfg, draft=make_draft())
+    return single, warm_engine(cfg, params, ecfg, draft=make_draft(), decode_steps=decode_steps)
+
+
 def prompts(seed: int, lengths) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(1, 256, n).tolist() for n in lengths]
+
+
+def stops_from(eng, prompts, positions, **sampling) -> SamplingParams:
+    """`SamplingParams(**sampling)` that stop on the token at `positions[i]` of `eng`'s i-th completion of
+    `prompts` under the same sampling without stop tokens."""
+    free = eng.generate(prompts, SamplingParams(**sampling))
+    return SamplingParams(**sampling, stop_tokens=tuple(c.tokens[i] for c, i in zip(free, positions)))
 
 
 def check_released(eng) -> None:
@@ -40,10 +79,6 @@ def same_completions(a, b) -> None:
 def scribble_free_pages(eng, seed: int = 0) -> None:
     """Random contents in every free pool page of every page array the engine keeps (target K/V or latent,
     routing record, drafter pages): a host-tier reload that left an array out would read them."""
-    import jax.numpy as jnp
-
-    from inference import kv_pages
-
     free = eng.pool.free_pages()
     rng = np.random.default_rng(seed)
     arrays = eng._page_arrays()
@@ -60,8 +95,6 @@ def host_tier_twins(cfg, params, ecfg, prompts, sp, make_draft=lambda: None):
     host and scribbles over the free pages between the runs (its second run reloads them), and a twin
     without one (its second run hits the same blocks on device). Returns the second runs' completions and
     drafter counters [(completions, {accepted_tokens, proposed_tokens}), ...], host tier first."""
-    from inference.engine import Engine
-
     out = []
     for host_pages in (64, 0):
         eng = Engine(cfg, params, dataclasses.replace(ecfg, host_cache_pages=host_pages), draft=make_draft())

@@ -12,41 +12,31 @@ import pytest
 from engine_checks import check_released as _check_released
 from engine_checks import prompts as _prompts
 from engine_checks import same_completions as _same
-from engine_checks import warm_engine
-from flax import nnx
+from engine_checks import single_and_many, stops_from, warm_engine
+from engines import small_engine, tiny_target
 
-import model
-from configs import tiny
+from inference.drafters import NgramDrafter
 from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
 
-ECFG = EngineConfig(
-    max_batch=4, max_seq_len=96, page_size=8, num_pages=96, prefill_chunk=32, prefill_batch=2, min_bucket=16
-)
+ECFG = small_engine()
 
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = tiny.get_config()
-    return cfg, nnx.state(model.build(cfg, seed=0), nnx.Param)
-
-
-def _engine(target, **fields):
-    return warm_engine(*target, ECFG, **fields)
+    cfg, _, params = tiny_target()
+    return cfg, params
 
 
 @pytest.fixture(scope="module")
-def single(target):
-    return _engine(target)
-
-
-@pytest.fixture(scope="module")
-def many(target):
-    return _engine(target, decode_steps=8)
+def engines(target):
+    """One decode step per call, and 8."""
+    return single_and_many(*target, ECFG, 8)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_many_steps_per_call_give_the_single_step_tokens(single, many, temperature):
+def test_many_steps_per_call_give_the_single_step_tokens(engines, temperature):
+    single, many = engines
     # 6 prompts for 4 slots (rows admitted between calls), lengths that are not multiples of 8, n=2 forks.
     prompts = _prompts(1, [5, 17, 9, 30, 3, 12])
     sampling = [
@@ -63,12 +53,12 @@ def test_many_steps_per_call_give_the_single_step_tokens(single, many, temperatu
     assert many.stats()["compiles_after_warmup"] == 0
 
 
-def test_stop_tokens_end_the_completion_inside_a_call(single, many):
+def test_stop_tokens_end_the_completion_inside_a_call(engines):
+    single, many = engines
     prompts = _prompts(2, [7, 11, 4])
-    free = single.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40, seed=3))
     # Stop on the 3rd token of the first completion and the 10th of the second (inside a call of 8).
-    stops = (free[0].tokens[2], free[1].tokens[9])
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, stop_tokens=stops)
+    sampling = stops_from(single, prompts, (2, 9), temperature=1.0, max_new_tokens=40, seed=3)
+    stops = sampling.stop_tokens
     want = single.generate(prompts, sampling)
     got = many.generate(prompts, sampling)
     _same(got, want)
@@ -77,7 +67,8 @@ def test_stop_tokens_end_the_completion_inside_a_call(single, many):
     _check_released(many)
 
 
-def test_a_finished_row_idles_at_most_n_minus_one_steps(many):
+def test_a_finished_row_idles_at_most_n_minus_one_steps(engines):
+    _, many = engines
     # One row of 2 tokens beside one of 20: the short one leaves after the first call (2 of its 8 steps);
     # the long one needs ceil(20 / 8) = 3 calls and 20 target forwards in all for its 20 tokens.
     before = many.stats()
@@ -95,10 +86,11 @@ def test_a_finished_row_idles_at_most_n_minus_one_steps(many):
     assert 0 < wait_s < step_s
 
 
-def test_pool_pressure_preempts_and_keeps_the_tokens(target, single):
+def test_pool_pressure_preempts_and_keeps_the_tokens(target, engines):
+    single, _ = engines
     # 16 + 1 pages of 8 tokens for 4 slots of up to 30 + 40 tokens: calls reserve 8 slots per row, so
     # sequences are preempted and re-prefilled; the tokens stay those of the roomy single-step engine.
-    tight = _engine(target, decode_steps=8, num_pages=17, prefix_cache_pages=0)
+    tight = warm_engine(*target, ECFG, decode_steps=8, num_pages=17, prefix_cache_pages=0)
     prompts = _prompts(4, [30, 25, 28, 20, 22])
     sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=5)
     _same(tight.generate(prompts, sampling), single.generate(prompts, sampling))
@@ -107,10 +99,9 @@ def test_pool_pressure_preempts_and_keeps_the_tokens(target, single):
     assert tight.stats()["compiles_after_warmup"] == 0
 
 
-def test_errors_name_the_field(target, many):
-    from inference.drafters import NgramDrafter
-
+def test_errors_name_the_field(target, engines):
     cfg, params = target
+    _, many = engines
     with pytest.raises(ValueError, match="engine.decode_steps=4 must be 1 with a NgramDrafter"):
         Engine(cfg, params, dataclasses.replace(ECFG, decode_steps=4), draft=NgramDrafter(3))
     with pytest.raises(ValueError, match="engine.max_stop_tokens=8"):

@@ -6,11 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
-from chi_square import chi_square
+from chi_square import check_fits, check_rejects, first_tokens, power_against, sample_counts
 from engine_checks import check_released as _check_released
-from engine_checks import host_tier_twins, same_completions, scribble_free_pages
+from engine_checks import (
+    host_tier_twins,
+    padded_forward,
+    same_completions,
+    scribble_free_pages,
+    warm_engine,
+)
 from engine_checks import prompts as _prompts
+from engines import small_engine, tiny_target
 from flax import nnx
 
 import model
@@ -21,44 +27,30 @@ from inference.engine import Engine, EngineConfig
 from inference.sampling import SamplingParams
 
 # One set of sizes for every engine here, so they share compiled steps (page pool, table width, buckets).
-ECFG = EngineConfig(
-    max_batch=4, max_seq_len=96, page_size=8, num_pages=96, prefill_chunk=32, prefill_batch=2, min_bucket=16
-)
+ECFG = small_engine()
 NAIVE_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = tiny.get_config()
-    m = model.build(cfg, seed=0)
-    return cfg, m, nnx.state(m, nnx.Param)
+    return tiny_target()
 
 
 @pytest.fixture(scope="module")
 def engine(target):
     cfg, _, params = target
-    eng = Engine(cfg, params, ECFG)
-    eng.warmup()
-    return eng
+    return warm_engine(cfg, params, ECFG)
 
 
 @pytest.fixture(scope="module")
 def forward(target):
-    """Plain forward over a right-padded row (causal: padding never changes earlier logits)."""
-    cfg, m, _ = target
-    graphdef = nnx.graphdef(m)
+    """Plain forward's log-probs [T, V] over a right-padded row."""
 
-    @jax.jit
-    def logp(params, tokens_T):
-        logits_BTV, _ = nnx.merge(graphdef, params)(tokens_T[None])
+    def logp(net, tokens_BT):
+        logits_BTV, _ = net(tokens_BT)
         return jax.nn.log_softmax(logits_BTV[0], axis=-1)
 
-    def run(params, tokens):
-        padded = np.zeros(NAIVE_LEN, np.int32)
-        padded[: len(tokens)] = tokens
-        return np.asarray(logp(params, padded))[: len(tokens)]
-
-    return run
+    return padded_forward(target[1], logp, NAIVE_LEN)
 
 
 def naive_greedy(forward, params, prompt, n):
@@ -196,21 +188,28 @@ def test_speculative_greedy_equals_plain_greedy(target, engine, small_drafter):
     assert stats["tokens_per_target_forward"] == 5.0
 
 
+def _next_law(forward, params, tokens, sp) -> np.ndarray:
+    """The processed distribution of the token after `tokens` under `sp`, from a plain forward."""
+    arrays = sampling.sampling_arrays([sp])
+    return np.exp(
+        np.asarray(sampling.processed_logprobs(jnp.asarray(forward(params, tokens)[-1:]), arrays))[0]
+    )
+
+
 def _exact_pairs(forward, params, prompt, sp):
     """P(t1, t2) of the first two processed-distribution tokens, enumerated with plain forwards."""
-    arrays = sampling.sampling_arrays([sp])
-
-    def processed(tokens):
-        return np.exp(
-            np.asarray(sampling.processed_logprobs(jnp.asarray(forward(params, tokens)[-1:]), arrays))[0]
-        )
-
-    p1 = processed(prompt)
+    p1 = _next_law(forward, params, prompt, sp)
     return {
         (int(a), int(b)): p1[a] * p2
         for a in np.flatnonzero(p1)
-        for b, p2 in zip(*(lambda p: (np.flatnonzero(p), p[p > 0]))(processed(prompt + [int(a)])))
+        for b, p2 in zip(
+            *(lambda p: (np.flatnonzero(p), p[p > 0]))(_next_law(forward, params, prompt + [int(a)], sp))
+        )
     }
+
+
+def _first_token_law(p: np.ndarray) -> dict:
+    return {(int(a),): p[a] for a in np.flatnonzero(p)}
 
 
 def test_speculative_sampling_matches_the_exact_distribution(target, forward):
@@ -226,43 +225,22 @@ def test_speculative_sampling_matches_the_exact_distribution(target, forward):
     sp = SamplingParams(temperature=0.8, top_k=3, top_p=0.95, max_new_tokens=2, n=n, seed=1)
     exact = _exact_pairs(forward, params, prompt, sp)
     alpha = 1e-3
+    ecfg = dataclasses.replace(ECFG, max_batch=16)
+    engine_args = (cfg, params, ecfg, lambda: ModelDrafter(cfg, draft_params), prompt, sp)
 
-    def run(resample_from):
-        eng = Engine(
-            cfg, params, dataclasses.replace(ECFG, max_batch=16), draft=ModelDrafter(cfg, draft_params)
-        )
-        eng._resample_from = resample_from
-        eng._build_steps()
-        outs = eng.generate([prompt], sp)
-        counts = {}
-        for c in outs:
-            counts[tuple(c.tokens)] = counts.get(tuple(c.tokens), 0) + 1
-        return counts, eng.stats()["acceptance_rate"]
-
-    counts, acceptance = run("residual")
-    stat, dof = chi_square(counts, exact, n)
+    counts, acceptance = sample_counts(*engine_args, "residual")
     assert 0.2 < acceptance < 0.95, acceptance  # both paths exercised
-    assert stat < scipy.stats.chi2.ppf(1 - alpha, dof), (stat, dof)
+    check_fits(counts, exact, n, alpha)
 
     # Power of the same test against the biased variant, from the exact first-token laws p (target) and
     # q (draft): biased P(x) = min(p, q)(x) + (1 - sum min(p, q)) p(x).
-    arrays = sampling.sampling_arrays([sp])
-    p = np.exp(np.asarray(sampling.processed_logprobs(jnp.asarray(forward(params, prompt)[-1:]), arrays))[0])
-    q = np.exp(
-        np.asarray(sampling.processed_logprobs(jnp.asarray(forward(draft_params, prompt)[-1:]), arrays))[0]
-    )
+    p = _next_law(forward, params, prompt, sp)
+    q = _next_law(forward, draft_params, prompt, sp)
     biased = np.minimum(p, q) + (1 - np.minimum(p, q).sum()) * p
-    support = p > 0
-    lam = n * np.sum((biased[support] - p[support]) ** 2 / p[support])
-    df1 = int(support.sum()) - 1
-    power = 1 - scipy.stats.ncx2.cdf(scipy.stats.chi2.ppf(1 - alpha, df1), df1, lam)
+    power, lam = power_against(p, biased, n, alpha)
     assert power > 0.99, (power, lam)
-    biased_counts, _ = run("p")
-    first = {}
-    for (a, _), k in biased_counts.items():
-        first[(a,)] = first.get((a,), 0) + k
-    stat1, dof1 = chi_square(first, {(int(a),): p[a] for a in np.flatnonzero(support)}, n)
-    assert stat1 > scipy.stats.chi2.ppf(1 - alpha, dof1), (stat1, dof1)
+    biased_counts, _ = sample_counts(*engine_args, "p")
+    check_rejects(first_tokens(biased_counts), _first_token_law(p), n, alpha)
 
 
 def test_group_drafter_sampling_matches_the_exact_distribution(target, forward):
@@ -279,38 +257,22 @@ def test_group_drafter_sampling_matches_the_exact_distribution(target, forward):
     sp = SamplingParams(temperature=0.8, top_k=3, top_p=0.95, max_new_tokens=2, n=n, seed=1)
     exact = _exact_pairs(forward, params, prompt, sp)
     alpha = 1e-3
+    ecfg = dataclasses.replace(ECFG, max_batch=batch)
+    engine_args = (cfg, params, ecfg, lambda: GroupDrafter(3), prompt, sp)
 
-    def run(resample_from):
-        eng = Engine(cfg, params, dataclasses.replace(ECFG, max_batch=batch), draft=GroupDrafter(3))
-        eng._resample_from = resample_from
-        eng._build_steps()
-        counts = {}
-        for c in eng.generate([prompt], sp):
-            counts[tuple(c.tokens)] = counts.get(tuple(c.tokens), 0) + 1
-        return counts, eng.stats()["acceptance_rate"]
-
-    counts, acceptance = run("residual")
-    stat, dof = chi_square(counts, exact, n)
+    counts, acceptance = sample_counts(*engine_args, "residual")
     assert 0.2 < acceptance < 0.95, acceptance  # both paths exercised
-    assert stat < scipy.stats.chi2.ppf(1 - alpha, dof), (stat, dof)
+    check_fits(counts, exact, n, alpha)
 
-    arrays = sampling.sampling_arrays([sp])
-    p = np.exp(np.asarray(sampling.processed_logprobs(jnp.asarray(forward(params, prompt)[-1:]), arrays))[0])
+    p = _next_law(forward, params, prompt, sp)
     b = p
     for _ in range(200):
         b = b * p + (1 - np.sum(b * p)) * p
     biased = (batch * p + (n - batch) * b) / n
-    support = p > 0
-    lam = n * np.sum((biased[support] - p[support]) ** 2 / p[support])
-    df1 = int(support.sum()) - 1
-    power = 1 - scipy.stats.ncx2.cdf(scipy.stats.chi2.ppf(1 - alpha, df1), df1, lam)
+    power, lam = power_against(p, biased, n, alpha)
     assert power > 0.99, (power, lam)
-    biased_counts, _ = run("p")
-    first = {}
-    for (a, _), k in biased_counts.items():
-        first[(a,)] = first.get((a,), 0) + k
-    stat1, dof1 = chi_square(first, {(int(a),): p[a] for a in np.flatnonzero(support)}, n)
-    assert stat1 > scipy.stats.chi2.ppf(1 - alpha, dof1), (stat1, dof1)
+    biased_counts, _ = sample_counts(*engine_args, "p")
+    check_rejects(first_tokens(biased_counts), _first_token_law(p), n, alpha)
 
 
 def test_update_draft_params_swaps_the_drafter_without_recompiling(target, small_drafter):

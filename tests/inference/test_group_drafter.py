@@ -11,15 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from engines import small_engine, tiny_target
 from flax import nnx
 
 import model
-from configs import tiny
-from inference import Engine, EngineConfig, GroupDrafter, NgramDrafter, SamplingParams
+from inference import Engine, GroupDrafter, NgramDrafter, SamplingParams
 
-ECFG = EngineConfig(
-    max_batch=4, max_seq_len=96, page_size=8, num_pages=96, prefill_chunk=32, prefill_batch=2, min_bucket=16
-)
+ECFG = small_engine()
 
 
 def test_proposes_what_followed_in_a_sibling():
@@ -67,8 +65,8 @@ def test_errors_name_the_argument():
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = tiny.get_config()
-    return cfg, nnx.state(model.build(cfg, seed=0), nnx.Param)
+    cfg, _, params = tiny_target()
+    return cfg, params
 
 
 def test_greedy_equals_plain_and_siblings_are_accepted(target):

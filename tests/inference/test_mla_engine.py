@@ -9,19 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_checks import host_tier_twins, same_completions
+from engines import small_engine
 from flax import nnx
 
 import model
 from configs import tiny
 from inference import MTPDrafter
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
 from inference.sampling import SamplingParams
 from model import mla
 from model.moe.layer import ExpertBias
 
-ECFG = EngineConfig(
-    max_batch=4, max_seq_len=64, page_size=8, num_pages=48, prefill_chunk=16, prefill_batch=2, min_bucket=16
-)
+ECFG = small_engine(max_seq_len=64, num_pages=48, prefill_chunk=16)
 
 
 def _mla_cfg():

@@ -15,19 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import scipy.stats
-from chi_square import chi_square
+from chi_square import check_fits, check_rejects, power_against, sample_counts
+from engine_checks import check_released, padded_forward
+from engines import small_engine
 from flax import nnx
 
 import model
 from configs import tiny
-from inference import Engine, EngineConfig, MTPDrafter, SamplingParams, sampling
+from inference import Engine, MTPDrafter, SamplingParams, sampling
 from model import mtp as mtp_lib
 from model.transformer import next_token_loss
 
-ECFG = EngineConfig(
-    max_batch=4, max_seq_len=64, page_size=8, num_pages=64, prefill_chunk=16, prefill_batch=2, min_bucket=16
-)
+ECFG = small_engine(max_seq_len=64, num_pages=64, prefill_chunk=16)
 A = (np.arange(17) * 3 + 1) % 16 + 1
 B = (np.arange(17) + 5) % 16 + 1
 NAIVE_LEN = 64
@@ -70,23 +69,13 @@ def toy():
 @pytest.fixture(scope="module")
 def forward(toy):
     """Full forward over a right-padded row: (target log-probs [T, V], MTP module 1 log-probs [T, V])."""
-    cfg, m, _ = toy
-    graphdef = nnx.graphdef(m)
 
-    @jax.jit
-    def logp(params, tokens_T):
-        net = nnx.merge(graphdef, params)
-        logits_BTV, aux = net(tokens_T[None])
-        mtp_BTV = net.mtp_logits(aux["hidden"], tokens_T[None])[0]
+    def logp(net, tokens_BT):
+        logits_BTV, aux = net(tokens_BT)
+        mtp_BTV = net.mtp_logits(aux["hidden"], tokens_BT)[0]
         return jax.nn.log_softmax(logits_BTV[0], -1), jax.nn.log_softmax(mtp_BTV[0], -1)
 
-    def run(params, tokens):
-        padded = np.zeros(NAIVE_LEN, np.int32)
-        padded[: len(tokens)] = tokens
-        target, mtp = logp(params, padded)
-        return np.asarray(target)[: len(tokens)], np.asarray(mtp)[: len(tokens)]
-
-    return run
+    return padded_forward(toy[1], logp, NAIVE_LEN)
 
 
 def test_greedy_equals_plain_and_the_learned_chain_is_accepted(toy):
@@ -106,9 +95,7 @@ def test_greedy_equals_plain_and_the_learned_chain_is_accepted(toy):
     assert stats["acceptance_rate"] >= 0.95, stats
     assert stats["tokens_per_target_forward"] == pytest.approx(24 / 6, abs=0.2), stats
     assert stats["compiles_after_warmup"] == 0
-    assert not eng.has_work()
-    eng.table.check()  # every page back: in the pool or held by the prefix cache
-    assert eng.pool.num_free + len(list(eng.prefix.held_pages())) == eng.pool.num_pages - 1
+    check_released(eng)
 
 
 def test_carried_draft_is_the_full_forwards_mtp_prediction(toy, forward):
@@ -170,29 +157,18 @@ def test_sampling_matches_the_exact_distribution(toy, forward):
             exact[(int(a), int(c))] = p1[a] * p2[c]
             biased[(int(a), int(c))] = p1[a] * b2[c]
 
-    def run(resample_from):
-        eng = Engine(cfg, params, dataclasses.replace(ECFG, max_batch=16), draft=MTPDrafter())
-        eng._resample_from = resample_from
-        eng._build_steps()
-        counts = {}
-        for c in eng.generate([prompt], sp):
-            counts[tuple(c.tokens)] = counts.get(tuple(c.tokens), 0) + 1
-        return counts, eng.stats()["acceptance_rate"]
-
-    counts, acceptance = run("residual")
-    stat, dof = chi_square(counts, exact, n)
+    engine_args = (cfg, params, dataclasses.replace(ECFG, max_batch=16), MTPDrafter, prompt, sp)
+    counts, acceptance = sample_counts(*engine_args, "residual")
     assert 0.2 < acceptance < 0.97, acceptance  # acceptance and the residual both matter
-    assert stat < scipy.stats.chi2.ppf(1 - alpha, dof), (stat, dof)
+    check_fits(counts, exact, n, alpha)
 
     cells = sorted(exact)
-    p = np.array([exact[c] for c in cells])
-    lam = n * np.sum((np.array([biased[c] for c in cells]) - p) ** 2 / p)
-    df = len(cells) - 1
-    power = 1 - scipy.stats.ncx2.cdf(scipy.stats.chi2.ppf(1 - alpha, df), df, lam)
+    power, lam = power_against(
+        np.array([exact[c] for c in cells]), np.array([biased[c] for c in cells]), n, alpha
+    )
     assert power > 0.99, (power, lam)
-    biased_counts, _ = run("p")
-    stat_b, dof_b = chi_square(biased_counts, exact, n)
-    assert stat_b > scipy.stats.chi2.ppf(1 - alpha, dof_b), (stat_b, dof_b)
+    biased_counts, _ = sample_counts(*engine_args, "p")
+    check_rejects(biased_counts, exact, n, alpha)
 
 
 def test_mtp_drafter_needs_mtp_modules():

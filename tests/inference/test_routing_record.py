@@ -10,69 +10,42 @@ wrong position, page or sequence.
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
-from engine_checks import scribble_free_pages
+from engine_checks import check_released as _check_released
+from engine_checks import padded_forward, scribble_free_pages, warm_engine
+from engine_checks import prompts as _prompts
+from engines import small_engine, tiny_target
 from flax import nnx
 
 import model
 from configs import tiny
 from inference import routing
 from inference.drafters import GroupDrafter, NgramDrafter
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
 from inference.sampling import SamplingParams
 
-ECFG = EngineConfig(
-    max_batch=4,
-    max_seq_len=96,
-    page_size=8,
-    num_pages=96,
-    prefill_chunk=32,
-    prefill_batch=2,
-    min_bucket=16,
-    record_routing=True,
-)
+ECFG = small_engine(record_routing=True)
 NAIVE_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = tiny.get_config()
-    m = model.build(cfg, seed=0)
-    return cfg, m, nnx.state(m, nnx.Param)
+    return tiny_target()
 
 
 @pytest.fixture(scope="module")
 def engine(target):
     cfg, _, params = target
-    eng = Engine(cfg, params, ECFG)
-    eng.warmup()
-    return eng
+    return warm_engine(cfg, params, ECFG)
 
 
 @pytest.fixture(scope="module")
 def plain_routing(target):
-    """expert_indices [L_moe, T, k] of a plain forward over a right-padded row (causal: padding never
-    changes earlier positions)."""
+    """expert_indices [L_moe, T, k] of a plain forward over a right-padded row."""
     _, m, params = target
-    graphdef = nnx.graphdef(m)
-
-    @jax.jit
-    def run(params, tokens_T):
-        return nnx.merge(graphdef, params)(tokens_T[None])[1]["expert_indices"][:, 0]
-
-    def routing_of(tokens):
-        padded = np.zeros(NAIVE_LEN, np.int32)
-        padded[: len(tokens)] = tokens
-        return np.asarray(run(params, padded))[:, : len(tokens)]
-
-    return routing_of
-
-
-def _prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
+    run = padded_forward(m, lambda net, tokens_BT: net(tokens_BT)[1]["expert_indices"][:, 0], NAIVE_LEN, 1)
+    return lambda tokens: run(params, tokens)
 
 
 def _mismatches(plain_routing, prompts, outs) -> int:
@@ -90,12 +63,6 @@ def _mismatches(plain_routing, prompts, outs) -> int:
         bad += int(np.sum(~same_set))
         np.testing.assert_array_equal(got_LTk[same_set], want_LTk[same_set])  # top_k order: by score
     return bad
-
-
-def _check_released(eng):
-    assert not eng.has_work()
-    eng.table.check()
-    assert eng.pool.num_free + len(list(eng.prefix.held_pages())) == eng.pool.num_pages - 1
 
 
 @pytest.mark.parametrize("temperature, n", [(0.0, 2), (1.0, 3)])

@@ -1,6 +1,6 @@
 """inference.serve: the OpenAI-compatible server, driven by the official `openai` client over 127.0.0.1.
 
-One server (tiny config, random weights, the engine sizes of tests/inference/test_engine.py so the compiled
+One server (tiny config, random weights, the small engine sizes of tests/engines.py so the compiled
 steps are shared) serves `tiny` and `tiny-fast` (n-gram drafter) for the whole module; a reference `Engine`
 over the same weights gives the expected tokens and log-probs. Also here: `Engine.cancel` /
 `Engine.in_flight` (the engine API the server needs), `inference.serve.text.TextStream` by hand, loading a
@@ -24,11 +24,12 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from engines import small_engine  # noqa: E402
+
 import model  # noqa: E402
 from configs import tiny  # noqa: E402
 from inference import (  # noqa: E402
     Engine,
-    EngineConfig,
     GroupDrafter,
     MTPDrafter,
     NgramDrafter,
@@ -41,9 +42,7 @@ from inference.serve.loop import EngineLoop  # noqa: E402
 from inference.serve.text import TextStream  # noqa: E402
 from model.io.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
 
-ECFG = EngineConfig(
-    max_batch=4, max_seq_len=96, page_size=8, num_pages=96, prefill_chunk=32, prefill_batch=2, min_bucket=16
-)
+ECFG = small_engine()
 MAX_QUEUE = 32  # capacity 36 sequences: the 32 concurrent clients fit, 37 do not
 MAX_N = 8
 MAX_BODY = 2**16

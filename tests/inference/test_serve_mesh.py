@@ -1,6 +1,6 @@
 """inference.serve on a mesh (`--mesh`): a Hugging Face checkpoint read straight into the engine's layout.
 
-A transformers-written Qwen3-MoE (tests/model/test_hf.py's tiny one with the byte tokenizer's vocab: 4
+A transformers-written Qwen3-MoE (tests/hf_models.py's tiny one with the byte tokenizer's vocab: 4
 experts, 4 query / 2 kv heads, f32, one safetensors file) is loaded by serve's loader with
 `--mesh=expert:2,tensor:2` over the 8 fake devices (data: the other 2). Every weight then has exactly
 `inference.engine.weight_shardings`' sharding and the one-device load's values; the process read each stored
@@ -35,24 +35,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ECFG = EngineConfig(
     max_batch=4, max_seq_len=64, page_size=8, num_pages=64, prefill_chunk=16, prefill_batch=2, min_bucket=16
 )
-VOCAB = 264  # the byte tokenizer's 256 bytes and 3 specials, a multiple of the tensor axis (test_hf.py: 128)
+VOCAB = 264  # the byte tokenizer's 256 bytes and 3 specials, a multiple of the tensor axis
 PROMPTS = [[3, 17, 5], [90, 2, 44, 61, 7, 12, 100], [1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89]]
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """tests/model/test_hf.py's tiny Qwen3-MoE with a vocab of VOCAB, saved by transformers'
-    `save_pretrained`."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    import test_hf
+    """tests/hf_models.py's tiny Qwen3-MoE with a vocab of VOCAB, saved by transformers' `save_pretrained`
+    (the tests that load no checkpoint run without torch)."""
+    import hf_models  # skips where torch or transformers is not installed
 
-    config_cls, model_cls, extra = test_hf.ARCHS["qwen3_moe"]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**test_hf.COMMON, **extra, "vocab_size": VOCAB})
     path = tmp_path_factory.mktemp("qwen3_moe")
-    getattr(transformers, model_cls)(config).eval().save_pretrained(path)
+    hf_models.make_hf("qwen3_moe", path, vocab_size=VOCAB)
     return path
 
 

@@ -13,27 +13,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_checks import prompts as _prompts
+from engines import small_engine, tiny_target
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import model
 from configs import tiny
 from inference import layout, weight_sync
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
 from inference.sampling import SamplingParams
 from model import sharding
 
 # Small sizes: one prefill length bucket (contexts past 16 tokens are prefilled in chunks), two row buckets.
-ECFG = EngineConfig(
-    max_batch=4,
-    max_seq_len=64,
-    page_size=8,
-    num_pages=64,
-    prefill_chunk=16,
-    prefill_batch=2,
-    min_bucket=16,
-    score_batch=2,
-)
+ECFG = small_engine(max_seq_len=64, num_pages=64, prefill_chunk=16, score_batch=2)
 SCORE_LENGTHS = (32,)
 # The sharded forward adds the same f32 terms in another order (tensor-parallel partial sums, then an
 # all-reduce): a sum of n <= 128 terms may move by ~n * 2**-24 of its magnitude, ~1e-5 of the O(1) logits
@@ -45,15 +38,10 @@ MESHES = {
 }
 
 
-def _prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, n).tolist() for n in lengths]
-
-
 @pytest.fixture(scope="module")
 def target():
-    cfg = tiny.get_config()
-    return cfg, nnx.state(model.build(cfg, seed=0), nnx.Param)
+    cfg, _, params = tiny_target()
+    return cfg, params
 
 
 @pytest.fixture(scope="module")

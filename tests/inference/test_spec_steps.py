@@ -16,49 +16,31 @@ import pytest
 from engine_checks import check_released as _check_released
 from engine_checks import prompts as _prompts
 from engine_checks import same_completions as _same
-from engine_checks import warm_engine
+from engine_checks import single_and_many, stops_from
+from engines import small_engine, tiny_target
 from flax import nnx
 
 import model
-from configs import tiny
 from inference.drafters import ModelDrafter, NgramDrafter
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
 from inference.sampling import SamplingParams
 
-ECFG = EngineConfig(
-    max_batch=4,
-    max_seq_len=96,
-    page_size=8,
-    num_pages=128,
-    prefill_chunk=32,
-    prefill_batch=2,
-    min_bucket=16,
-    num_draft=3,
-)
+ECFG = small_engine(num_pages=128, num_draft=3)
 COUNTS = ("proposed_tokens", "accepted_tokens", "target_row_forwards", "generated_tokens")
 
 
 @pytest.fixture(scope="module")
 def pair():
-    cfg = tiny.get_config()
-    params = nnx.state(model.build(cfg, seed=0), nnx.Param)
+    cfg, _, params = tiny_target()
     other = nnx.state(model.build(cfg, seed=7), nnx.Param)
     return cfg, params, jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, params, other)
 
 
-def _engine(pair, **fields):
+@pytest.fixture(scope="module")
+def engines(pair):
+    """One speculative step per call, and 4."""
     cfg, params, draft_params = pair
-    return warm_engine(cfg, params, ECFG, draft=ModelDrafter(cfg, draft_params), **fields)
-
-
-@pytest.fixture(scope="module")
-def single(pair):
-    return _engine(pair)
-
-
-@pytest.fixture(scope="module")
-def many(pair):
-    return _engine(pair, decode_steps=4)
+    return single_and_many(cfg, params, ECFG, 4, lambda: ModelDrafter(cfg, draft_params))
 
 
 def _run(eng, prompts, sampling):
@@ -69,7 +51,8 @@ def _run(eng, prompts, sampling):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_many_spec_steps_per_call_give_the_single_step_tokens(single, many, temperature):
+def test_many_spec_steps_per_call_give_the_single_step_tokens(engines, temperature):
+    single, many = engines
     # 6 prompts for 4 slots (rows admitted between calls), n=2 forks, budgets that end inside a step's
     # accepted run (1, 3: fewer than num_draft + 1) and budgets longer than one call (4 steps of up to 4).
     prompts = _prompts(1, [5, 17, 9, 30, 3, 12])
@@ -87,11 +70,11 @@ def test_many_spec_steps_per_call_give_the_single_step_tokens(single, many, temp
     assert many.stats()["compiles_after_warmup"] == 0
 
 
-def test_stop_tokens_end_the_completion_inside_a_call(single, many):
+def test_stop_tokens_end_the_completion_inside_a_call(engines):
+    single, many = engines
     prompts = _prompts(2, [7, 11, 4])
-    free = single.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40, seed=3))
-    stops = (free[0].tokens[2], free[1].tokens[9], free[2].tokens[5])
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, stop_tokens=stops)
+    sampling = stops_from(single, prompts, (2, 9, 5), temperature=1.0, max_new_tokens=40, seed=3)
+    stops = sampling.stop_tokens
     want, d_single = _run(single, prompts, sampling)
     got, d_many = _run(many, prompts, sampling)
     _same(got, want)

@@ -17,6 +17,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from hf_models import (
+    DEEPSEEK_VOCAB,
+    GEOMETRIES,
+    LOGIT_ATOL,
+    assert_logits_and_greedy_match,
+    make_deepseek,
+    make_each,
+    randomize_selection_bias,
+)
 from safetensors.numpy import load_file, save_file
 
 from inference import Engine, EngineConfig, SamplingParams
@@ -26,104 +35,12 @@ from model.moe.layer import ExpertBias
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-LOGIT_ATOL = 1e-4  # f32 on both sides; sums in a different order (and MLA's absorbed form in decode)
-VOCAB = 96
-
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_attention_heads=4,
-    kv_lora_rank=12,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    routed_scaling_factor=2.5,
-    num_mtp_layers=0,
-    # Wide init so that router scores (and group scores) are well separated: a near tie would make the
-    # choice of experts depend on the last bit of either implementation.
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
-GEOMETRIES = {
-    # q low-rank path, 2 groups of 4 (a token uses 1), one dense layer
-    "qlora_groups": dict(
-        num_hidden_layers=3,
-        q_lora_rank=16,
-        n_routed_experts=8,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-    ),
-    # V2-Lite style: no q low-rank path, no groups, two dense layers
-    "no_qlora": dict(
-        num_hidden_layers=4,
-        q_lora_rank=None,
-        n_routed_experts=4,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=2,
-    ),
-    # 4 groups (a token uses 2), YaRN with mscale / mscale_all_dim, rotate-half RoPE, unnormalised top-k
-    "yarn_groups": dict(
-        num_hidden_layers=2,
-        q_lora_rank=8,
-        n_routed_experts=8,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        norm_topk_prob=False,
-        rope_interleave=False,
-        max_position_embeddings=64,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10_000.0,
-            factor=4.0,
-            original_max_position_embeddings=16,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            mscale=0.707,
-            mscale_all_dim=1.0,
-        ),
-    ),
-}
-
-
-def _make_hf(name: str, path, dtype=torch.float32):
-    torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**{**BASE, **GEOMETRIES[name]})
-    net = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():  # a real selection bias, so that it is tested (HF initialises it to zero)
-        for layer in net.model.layers[config.first_k_dense_replace :]:
-            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(config.n_routed_experts))
-    net = net.to(dtype)
-    net.save_pretrained(path)
-    return net
+VOCAB = DEEPSEEK_VOCAB
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for name in GEOMETRIES:
-        path = tmp_path_factory.mktemp(name)
-        out[name] = (path, _make_hf(name, path))
-    return out
-
-
-def _greedy(m, prompt_BT, steps: int) -> np.ndarray:
-    b, t = prompt_BT.shape
-    cache = m.init_cache(batch=b, max_len=t + steps, dtype=jnp.float32)
-    step = nnx.jit(lambda m, toks, cache: m(toks, kv_cache=cache))
-    logits, aux = step(m, jnp.asarray(prompt_BT), cache)
-    out = []
-    for _ in range(steps):
-        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
-        out.append(np.asarray(nxt))
-        logits, aux = step(m, nxt, aux["kv_cache"])
-    return np.concatenate(out, axis=1)
+    return make_each(tmp_path_factory, make_deepseek, GEOMETRIES)
 
 
 @pytest.mark.parametrize("name", list(GEOMETRIES))
@@ -132,37 +49,7 @@ def test_logits_and_greedy_decoding_match_transformers(checkpoints, name):
     cfg, m = hf.load_model(path)
     assert cfg.model.attention_kind == "mla"
     assert cfg.model.moe.n_group == GEOMETRIES[name]["n_group"]
-    rng = np.random.RandomState(0)
-    toks = rng.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        want = ref(torch.tensor(toks)).logits.numpy()
-    got = np.asarray(m(jnp.asarray(toks))[0])
-    np.testing.assert_allclose(got, want, atol=LOGIT_ATOL, rtol=0)
-
-    mask = np.ones((2, 12), np.int64)
-    mask[0, :4] = 0
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    with torch.no_grad():
-        want = ref(
-            torch.tensor(toks), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
-        ).logits.numpy()
-    got = np.asarray(
-        m(jnp.asarray(toks), jnp.asarray(positions, jnp.int32), segment_ids=jnp.asarray(mask))[0]
-    )
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], want[valid], atol=LOGIT_ATOL, rtol=0)
-
-    prompt = toks[:, :6]
-    with torch.no_grad():
-        want_ids = ref.generate(
-            torch.tensor(prompt),
-            attention_mask=torch.ones_like(torch.tensor(prompt)),
-            max_new_tokens=20,
-            min_new_tokens=20,
-            do_sample=False,
-            pad_token_id=0,
-        ).numpy()[:, 6:]
-    np.testing.assert_array_equal(_greedy(m, prompt, 20), want_ids)
+    assert_logits_and_greedy_match(m, ref, VOCAB)
 
 
 def _hf_greedy_choices(net, prompt_BT, tokens_BT) -> list[list[int]]:
@@ -199,9 +86,7 @@ def test_engine_carries_the_selection_bias(checkpoints, tmp_path):
 
     # Another bias, written into a transformers copy and a checkpoint of it, loaded with the Params.
     other = copy.deepcopy(ref)
-    with torch.no_grad():
-        for layer in other.model.layers[other.config.first_k_dense_replace :]:
-            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(other.config.n_routed_experts))
+    randomize_selection_bias(other)
     other.save_pretrained(tmp_path)
     _, state = hf.load(tmp_path, variables=(nnx.Param, ExpertBias))
     engine.update_params(state)
@@ -219,12 +104,9 @@ def test_checkpoint_without_mtp_tensors_loads_without_mtp_modules(tmp_path, capl
     from configs.schema import ConfigError
     from rl import validate
 
-    torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**{**BASE, **GEOMETRIES["qlora_groups"], "num_mtp_layers": 1})
-    net = transformers.DeepseekV3ForCausalLM(config).eval()
-    net.save_pretrained(tmp_path)
+    net = make_deepseek("qlora_groups", tmp_path, selection_bias=False, num_mtp_layers=1)
     assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    layers = config.num_hidden_layers
+    layers = net.config.num_hidden_layers
     assert not any(
         k.startswith(f"model.layers.{layers}.") for k in load_file(str(tmp_path / "model.safetensors"))
     )

@@ -2,8 +2,8 @@
 architecture, bit-exact save round trips, sharded loading, and errors that name the tensor. Our models with
 shared experts export as Qwen2-MoE (its shared-expert gate stored as zeros, the shared down_proj doubled).
 
-Tiny random models are built with `transformers` (torch, CPU) and saved with `save_pretrained`; only
-this file imports torch (the `parity` extra that `make test` installs).
+The tiny random models are tests/hf_models.py's, built with `transformers` (torch, CPU) and saved with
+`save_pretrained` (the `parity` extra that `make test` installs).
 """
 
 import json
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_models import ARCHS, LOGIT_ATOL, VOCAB, assert_logits_and_greedy_match, make_each, make_hf
 from jax.sharding import NamedSharding
 from safetensors.numpy import load_file, save_file
 
@@ -25,144 +26,17 @@ from model.io import hf, hf_config
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# f32 on both sides; the two implementations add the same products in a different order.
-LOGIT_ATOL = 1e-4
-VOCAB = 128
-
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    # Wider than the HF default (0.02) so router probabilities are well separated: a near-tie in the
-    # top-k would make both sides' choice of experts depend on the last bit.
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
-ARCHS = {
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(head_dim=8, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
-    ),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8, tie_word_embeddings=True)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "llama3": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
-            rope_theta=500_000.0,
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=16,
-            ),
-        ),
-    ),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-    # A dense first layer (mlp_only_layers), a shared expert wider than a routed one, unnormalised top-k.
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=40,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            mlp_only_layers=[0],
-        ),
-    ),
-}
-
-
-def _zero_gates_random_biases(net) -> None:
-    """Qwen2-MoE as our model can hold it: shared-expert gates of zero (sigmoid 1/2 on the shared expert; a
-    trained gate is refused), and random q/k/v biases (HF starts them at zero), so that they are tested."""
-    with torch.no_grad():
-        for layer in net.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.copy_(0.2 * torch.randn(proj.bias.shape))
-            if hasattr(layer.mlp, "shared_expert_gate"):
-                layer.mlp.shared_expert_gate.weight.zero_()
-
-
-PREPARE = {"qwen2_moe": _zero_gates_random_biases}
-
-
-def _make_hf(name: str, path, dtype=torch.float32):
-    config_cls, model_cls, extra = ARCHS[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
-    net = getattr(transformers, model_cls)(config)
-    PREPARE.get(name, lambda net: None)(net)
-    net = net.to(dtype).eval()
-    net.save_pretrained(path)
-    return net
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for name in ARCHS:
-        path = tmp_path_factory.mktemp(name)
-        out[name] = (path, _make_hf(name, path))
-    return out
-
-
-def _greedy(m, prompt_BT, steps: int) -> np.ndarray:
-    b, t = prompt_BT.shape
-    cache = m.init_cache(batch=b, max_len=t + steps, dtype=jnp.float32)
-    step = nnx.jit(lambda m, toks, cache: m(toks, kv_cache=cache))
-    logits, aux = step(m, jnp.asarray(prompt_BT), cache)
-    out = []
-    for _ in range(steps):
-        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
-        out.append(np.asarray(nxt))
-        logits, aux = step(m, nxt, aux["kv_cache"])
-    return np.concatenate(out, axis=1)
+    return make_each(tmp_path_factory, make_hf, ARCHS)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_logits_and_greedy_decoding_match_transformers(checkpoints, name):
     path, ref = checkpoints[name]
-    cfg, m = hf.load_model(path)
-    rng = np.random.RandomState(0)
-    toks = rng.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        want = ref(torch.tensor(toks)).logits.numpy()
-    got = np.asarray(m(jnp.asarray(toks))[0])
-    np.testing.assert_allclose(got, want, atol=LOGIT_ATOL, rtol=0)
-
-    # Left-padded batch: HF takes the attention mask and position ids, we take segment ids and positions.
-    mask = np.ones((2, 12), np.int64)
-    mask[0, :4] = 0
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    with torch.no_grad():
-        want = ref(
-            torch.tensor(toks), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
-        ).logits.numpy()
-    got = np.asarray(
-        m(jnp.asarray(toks), jnp.asarray(positions, jnp.int32), segment_ids=jnp.asarray(mask))[0]
-    )
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], want[valid], atol=LOGIT_ATOL, rtol=0)
-
-    prompt = toks[:, :6]
-    with torch.no_grad():
-        want_ids = ref.generate(
-            torch.tensor(prompt),
-            attention_mask=torch.ones_like(torch.tensor(prompt)),
-            max_new_tokens=20,
-            min_new_tokens=20,
-            do_sample=False,
-            pad_token_id=0,
-        ).numpy()[:, 6:]
-    np.testing.assert_array_equal(_greedy(m, prompt, 20), want_ids)
+    _, m = hf.load_model(path)
+    assert_logits_and_greedy_match(m, ref, VOCAB)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "llama3", "qwen2_moe"])
@@ -187,7 +61,7 @@ def test_save_round_trip_is_bit_exact(checkpoints, tmp_path, name):
 
 
 def test_bf16_checkpoint_loads_in_bf16_and_saves_bit_exact(tmp_path):
-    _make_hf("qwen3_moe", tmp_path / "bf16", dtype=torch.bfloat16)
+    make_hf("qwen3_moe", tmp_path / "bf16", dtype=torch.bfloat16)
     cfg, params = hf.load(tmp_path / "bf16")
     assert cfg.model.param_dtype == "bfloat16"
     assert nnx.to_flat_state(params)[0][1][...].dtype == jnp.bfloat16

@@ -27,12 +27,11 @@ MAX_SHARD_BYTES = 40_000  # several files per process for the test checkpoint (~
 
 
 def _make_checkpoint(path):
-    """transformers' tiny Qwen3-MoE of tests/model/test_hf.py (f32), saved with `save_pretrained`."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    import test_hf
+    """transformers' tiny Qwen3-MoE of tests/hf_models.py (f32), saved with `save_pretrained` (the child
+    processes and the tests that load no checkpoint run without torch)."""
+    import hf_models  # skips where torch or transformers is not installed
 
-    return test_hf._make_hf("qwen3_moe", path)
+    return hf_models.make_hf("qwen3_moe", path)
 
 
 @pytest.fixture(scope="module")

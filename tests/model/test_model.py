@@ -3,13 +3,12 @@
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
 import model
-from configs import tiny
+from configs import base, tiny
 from model import layers, rope
 from model.kv_cache import PagedCache
 
@@ -213,20 +212,8 @@ def test_logit_positions_pick_the_full_forwards_rows():
 
 
 def _rope(**kw):
-    r = ml_collections.ConfigDict(
-        dict(
-            theta=10000.0,
-            scaling="none",
-            factor=1.0,
-            original_max_position=4096,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            mscale=0.0,
-            mscale_all_dim=0.0,
-        )
-    )
+    """The model config's RoPE block: the field table's defaults (theta 10000, no scaling), `kw` changed."""
+    r = base.model_defaults().rope
     r.update(kw)
     return r
 

@@ -188,31 +188,6 @@ def test_routing_replay(impl):
     assert float(jnp.abs(y_other - y).max()) > 1e-3
 
 
-@pytest.mark.parametrize("t,k,e", [(12, 2, 4), (5, 3, 8), (300, 2, 4)])
-def test_cpu_grouped_kernel_equals_ragged_dot(t, k, e):
-    """The CPU dropless kernel (windows of each expert's rows) and the accelerator path
-    (`jax.lax.ragged_dot`) give the same output and gradients; 300 tokens span several windows."""
-    keys = jax.random.split(jax.random.key(3), 5)
-    d, f = 16, 24
-    x = jax.random.normal(keys[0], (t, d))
-    idx = jnp.argsort(jax.random.uniform(keys[1], (t, e)), axis=-1)[:, :k].astype(jnp.int32)
-    w = jax.random.uniform(keys[2], (t, k))
-    gate, up = (jax.random.normal(kk, (e, d, f)) * d**-0.5 for kk in jax.random.split(keys[3]))
-    down = jax.random.normal(keys[4], (e, f, d)) * f**-0.5
-
-    def run(use_ragged_dot):
-        def f_(x, w, gate, up, down):
-            y = moe.ragged_dispatch(x, idx, w, gate, up, down, use_ragged_dot=use_ragged_dot)
-            return jnp.sum(jnp.sin(y)), y
-
-        return jax.jit(jax.value_and_grad(f_, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, w, gate, up, down)
-
-    (_, y_a), g_a = run(True)
-    (_, y_b), g_b = run(False)
-    np.testing.assert_allclose(y_a, y_b, atol=ATOL, rtol=RTOL)
-    chex.assert_trees_all_close(g_a, g_b, atol=ATOL, rtol=RTOL)
-
-
 def test_group_limited_routing_picks_top_k_inside_the_best_groups():
     # 8 experts in 4 groups of 2 with sigmoid scores p. Group scores (sum of the group's two best):
     # g0 = 0.9 + 0.1 = 1.0, g1 = 0.5 + 0.45 = 0.95, g2 = 0.8 + 0.01 = 0.81, g3 = 0.3 + 0.3 = 0.6.
@@ -259,6 +234,18 @@ def _out_and_grads(fn, x, idx, w, gate, up, down):
         return jnp.sum(jnp.sin(y)), y
 
     return jax.jit(jax.value_and_grad(f_, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, w, gate, up, down)
+
+
+@pytest.mark.parametrize("t,k,e", [(12, 2, 4), (5, 3, 8), (300, 2, 4)])
+def test_cpu_grouped_kernel_equals_ragged_dot(t, k, e):
+    """The CPU dropless kernel (windows of each expert's rows) and the accelerator path
+    (`jax.lax.ragged_dot`) give the same output and gradients; 300 tokens span several windows."""
+    case = _dispatch_case(t, k, e)
+    dispatch = lambda use_ragged_dot: lambda *a: moe.ragged_dispatch(*a, use_ragged_dot=use_ragged_dot)
+    (_, y_a), g_a = _out_and_grads(dispatch(True), *case)
+    (_, y_b), g_b = _out_and_grads(dispatch(False), *case)
+    np.testing.assert_allclose(y_a, y_b, atol=ATOL, rtol=RTOL)
+    chex.assert_trees_all_close(g_a, g_b, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("use_ragged_dot", [False, True])

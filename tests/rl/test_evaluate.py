@@ -4,10 +4,13 @@ import json
 import math
 
 import pytest
+from engines import small_engine, tiny_target
 
 from configs.runs import read_config
 from envs import STATUSES, Score, Task, registry
 from envs.pool import EnvPool
+from inference import Engine, SamplingParams
+from model.io.tokenizer import ByteTokenizer
 from rl import evaluate, metrics, plot
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,25 +219,8 @@ def test_evaluate_scores_scripted_completions(pool):
 
 
 def test_evaluate_tiny_model_end_to_end(pool):
-    from flax import nnx
-
-    import model
-    from configs import tiny
-    from inference import Engine, EngineConfig, SamplingParams
-    from model.io.tokenizer import ByteTokenizer
-
-    cfg = tiny.get_config()
-    params = nnx.state(model.build(cfg, seed=0), nnx.Param)
-    ecfg = EngineConfig(
-        max_batch=4,
-        max_seq_len=256,
-        page_size=8,
-        num_pages=128,
-        prefill_chunk=64,
-        prefill_batch=2,
-        min_bucket=16,
-    )
-    engine = Engine(cfg, params, ecfg)
+    cfg, _, params = tiny_target()
+    engine = Engine(cfg, params, small_engine(max_seq_len=256, num_pages=128, prefill_chunk=64))
     tasks = {
         "math": registry.make("math").sample_tasks(seed=10_000, n=3),
         "debug": registry.make("debug").sample_tasks(seed=10_001, n=2),

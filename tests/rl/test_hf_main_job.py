@@ -21,11 +21,20 @@ import re
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from hf_models import (
+    DEEPSEEK,
+    LOGIT_ATOL,
+    MTP_LAYERS,
+    hand_mtp_forward,
+    hf_logits,
+    hf_model,
+    jit_logits,
+    make_deepseek_mtp,
+    write_byte_tokenizer,
+)
+from safetensors.numpy import load_file
 
 from configs import grpo
 from configs.errors import UserError
@@ -34,89 +43,22 @@ from configs.schema import ConfigError
 from rl import run as run_dir
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
-LOGIT_ATOL = 1e-4  # f32 on both sides, sums in a different order (as in tests/model/test_deepseek.py)
 # A mean over tokens of log-softmax values, each within 2 * LOGIT_ATOL when every logit is within LOGIT_ATOL.
 CE_ATOL = 2 * LOGIT_ATOL
-VOCAB, D, LAYERS = 260, 32, 2  # 256 byte tokens + eos of the tokenizer below, rounded up
+# 256 byte tokens + eos of the byte-level tokenizer, rounded up; the checkpoint's width and layers.
+VOCAB, D, LAYERS = 260, DEEPSEEK["hidden_size"], MTP_LAYERS
 MTP_WEIGHT = 0.5
-HF_CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=D,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=12,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    q_lora_rank=16,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    # Wide init: router scores well apart, so no near tie decides an expert by the last bit (test_deepseek).
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-    num_mtp_layers=0,
-)
-
-
-def _write_tokenizer(path) -> None:
-    """A byte-level BPE without merges (one token per byte) and an eos token: ids 0..256."""
-    from tokenizers import decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A DeepSeek-V3 checkpoint of LAYERS decoder layers, a random selection bias and one MTP module (a
-    transformers model of LAYERS + 1 layers whose last layer becomes the MTP block, as in test_mtp.py)."""
-    torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**HF_CONFIG, num_hidden_layers=LAYERS + 1)
-    config._attn_implementation = "eager"  # the hand-run layers below take an explicit causal mask
-    net = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in net.model.layers[config.first_k_dense_replace :]:
-            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(config.n_routed_experts))
+    """tests/hf_models.py's DeepSeek-V3 checkpoint of LAYERS decoder layers, a random selection bias and one
+    MTP module, with the byte-level tokenizer's vocab and its tokenizer.json."""
     path = tmp_path_factory.mktemp("deepseek")
-    net.save_pretrained(path)
-    tensors = load_file(str(path / "model.safetensors"))
-    rng = np.random.RandomState(0)
-    extra = {
-        "enorm.weight": 1 + 0.2 * rng.randn(D),
-        "hnorm.weight": 1 + 0.2 * rng.randn(D),
-        "eh_proj.weight": 0.2 * rng.randn(D, 2 * D),
-        "shared_head.norm.weight": 1 + 0.2 * rng.randn(D),
-        "embed_tokens.weight": tensors["model.embed_tokens.weight"],
-        "shared_head.head.weight": tensors["lm_head.weight"],
-    }
-    tensors.update({f"model.layers.{LAYERS}.{k}": np.asarray(v, np.float32) for k, v in extra.items()})
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg_json = json.loads((path / "config.json").read_text())
-    cfg_json.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
-    (path / "config.json").write_text(json.dumps(cfg_json))
-    _write_tokenizer(path)
-    return path, net, {k: torch.tensor(np.asarray(v, np.float32)) for k, v in extra.items()}
-
-
-def _hf_model(path):
-    """transformers' model of a checkpoint directory (it skips the MTP layer, which it does not run)."""
-    transformers.logging.set_verbosity_error()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+    net, extra = make_deepseek_mtp(path, vocab_size=VOCAB)
+    write_byte_tokenizer(path)
+    return path, net, extra
 
 
 def _masked_ce(logits, batch, ahead: int) -> float:
@@ -130,35 +72,15 @@ def _masked_ce(logits, batch, ahead: int) -> float:
 def _hf_cross_entropy(path, batch) -> float:
     """The SFT loss by transformers' forward of the checkpoint."""
     with torch.no_grad():
-        logits = _hf_model(path)(torch.tensor(batch["tokens_BT"], dtype=torch.long)).logits
+        logits = hf_model(path)(torch.tensor(batch["tokens_BT"], dtype=torch.long)).logits
     return _masked_ce(logits, batch, 1)
 
 
 def _hand_mtp_loss(net, extra, batch) -> float:
-    """MTP module 1's loss (position i predicts token i + 2) by hand around transformers' decoder layers, the
-    module's block being layer LAYERS of `net` (as in tests/model/test_mtp.py)."""
-    inner, eps = net.model, net.config.rms_norm_eps
-    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-    tokens = torch.tensor(batch["tokens_BT"], dtype=torch.long)
-    t = tokens.shape[1]
-    pos, causal = torch.arange(t)[None], torch.full((t, t), float("-inf")).triu(1)[None, None]
-    layer_args = lambda rope: dict(attention_mask=causal, position_ids=pos, position_embeddings=rope)
-    with torch.no_grad():
-        h = inner.embed_tokens(tokens)
-        rope = inner.rotary_emb(h, pos)
-        for layer in inner.layers[:LAYERS]:
-            h = layer(h, **layer_args(rope))
-        e = rms(inner.embed_tokens(torch.nn.functional.pad(tokens[:, 1:], (0, 1))), extra["enorm.weight"])
-        x = torch.cat([e, rms(h, extra["hnorm.weight"])], dim=-1) @ extra["eh_proj.weight"].T
-        x = inner.layers[LAYERS](x, **layer_args(rope))
-        logits = rms(x, extra["shared_head.norm.weight"]) @ extra["shared_head.head.weight"].T
+    """MTP module 1's loss (position i predicts token i + 2), its logits by hand around transformers'
+    decoder layers."""
+    _, logits = hand_mtp_forward(net, extra, batch["tokens_BT"])
     return _masked_ce(logits, batch, 2)
-
-
-def _logits(model_def, state, toks):
-    """Our model's logits of `toks` for a train state, under jit (not op by op)."""
-    forward = jax.jit(lambda params, rest, t: model_def.merge(params, rest)(t)[0])
-    return np.asarray(forward(state.params, state.model_state, jnp.asarray(toks)))
 
 
 def _records(workdir):
@@ -284,9 +206,8 @@ def test_post_train_a_deepseek_checkpoint_and_export_it(checkpoint, tmp_path, mo
 
     model_def, _ = train_state.init_state(run_cfg, seed=run_cfg.rl.seed)
     toks = np.random.RandomState(1).randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        want = _hf_model(exported)(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
+    want = hf_logits(exported, toks)
+    np.testing.assert_allclose(jit_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_init_from_takes_the_checkpoints_model_but_the_runtime_fields(checkpoint):
@@ -311,9 +232,8 @@ def test_init_from_takes_the_checkpoints_model_but_the_runtime_fields(checkpoint
     model_def, state = train_state.init_state(run, seed=0, **pretrained)
     assert list(state.params["moe_layers"]["blocks"].keys()) == [0]  # a list of layers, not one [L, ...] scan
     toks = np.random.RandomState(2).randint(0, VOCAB, (2, 10))
-    with torch.no_grad():
-        want = _hf_model(path)(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
+    want = hf_logits(path, toks)
+    np.testing.assert_allclose(jit_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_bad_init_from_and_mtp_weight_are_refused_before_any_work(tmp_path):
@@ -370,9 +290,8 @@ def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
     state, _ = run_dir.restore_state(run_cfg, str(workdir))
     model_def, _ = train_state.init_state(run_cfg, seed=run_cfg.rl.seed)
     toks = np.random.RandomState(1).randint(0, run_cfg.model.vocab_size, (2, 12))
-    with torch.no_grad():
-        want = _hf_model(out)(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
+    want = hf_logits(out, toks)
+    np.testing.assert_allclose(jit_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
     _, params = hf.load(out, overrides=hf_config.runtime_fields(run_cfg.model))  # the run's layer layout
     loaded = dict(nnx.to_flat_state(params))
     for path, var in nnx.to_flat_state(state.params):

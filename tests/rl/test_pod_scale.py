@@ -21,10 +21,8 @@ import sys
 
 import numpy as np
 import pytest
-import test_hf_main_job
-import torch
-import transformers
 import xla_env
+from hf_models import LOGIT_ATOL, hf_logits, jit_logits, make_hf, write_byte_tokenizer
 from safetensors import safe_open
 
 from configs import grpo
@@ -33,21 +31,15 @@ from rl import run as run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 260  # the byte-level tokenizer's 257 ids, rounded up
-HF = dict(
+# tests/hf_models.py's tiny Qwen3-MoE (2 layers, 4 query / 2 kv heads, top-2), wider and with more experts.
+SIZES = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     moe_intermediate_size=192,
     num_experts=16,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
     max_position_embeddings=128,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
 )
 # By hand: per layer q 64x64, k and v 64x32, o 64x64, 2 norms of 64 and q/k norms of 16, a router 16x64
 # and 16 experts of 3 x 64 x 192; embedding and head 260 x 64 each; a final norm of 64.
@@ -75,11 +67,9 @@ RUN = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    net = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF)).eval()
     path = tmp_path_factory.mktemp("qwen3_moe_pod")
-    net.save_pretrained(path)
-    test_hf_main_job._write_tokenizer(path)
+    make_hf("qwen3_moe", path, **SIZES)
+    write_byte_tokenizer(path)
     return path
 
 
@@ -179,10 +169,8 @@ def test_two_processes_post_train_a_checkpoint_no_device_could_hold(checkpoint, 
     assert meta["step"] == 2
     model_def, _ = train_state.init_state(read_config(str(workdir)), seed=0)
     toks = np.random.RandomState(1).randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        want = test_hf_main_job._hf_model(exported)(torch.tensor(toks)).logits.numpy()
-    ours = test_hf_main_job._logits(model_def, state, toks)
-    np.testing.assert_allclose(ours, want, atol=test_hf_main_job.LOGIT_ATOL, rtol=0)
+    want = hf_logits(exported, toks)
+    np.testing.assert_allclose(jit_logits(model_def, state, toks), want, atol=LOGIT_ATOL, rtol=0)
     # The export is the trained model, not the checkpoint it started from.
     _, original = hf.load(checkpoint)
     assert not np.array_equal(
