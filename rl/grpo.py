@@ -461,6 +461,11 @@ def default_loss_config() -> ml_collections.ConfigDict:
 def validate_loss_config(cfg: ml_collections.ConfigDict) -> None:
     """Raises a ConfigError (a ValueError) naming the `rl.loss` field missing, unknown or out of range."""
     schema.check(cfg, LOSS, "rl.loss")
+    registered = {"ratio": RATIOS, "aggregation": AGGREGATIONS, "kl_kind": {**KL, "none": None}}
+    for name, names in {**registered, "correction": CORRECTIONS}.items():
+        if cfg[name] not in names:
+            known = sorted(names)
+            raise schema.ConfigError(f"rl.loss.{name}={cfg[name]!r} is unknown; choose one of {known}")
     if cfg.aggregation == "seq-mean-token-sum-norm" and cfg.max_tokens <= 0:
         raise schema.ConfigError(
             f"rl.loss.max_tokens={cfg.max_tokens!r} must be > 0 for aggregation='seq-mean-token-sum-norm'"
