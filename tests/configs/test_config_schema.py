@@ -67,7 +67,7 @@ ARGS = {"grpo": ("tiny", "small", *grpo.VARIANTS, "test,deepseek"), "tiny": (Non
 def _config_files():
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
         name = os.path.basename(path)[:-3]
-        if name in ("__init__", "schema", "fields", "engine", "cli", "errors", "runs"):  # helpers, not configs
+        if name in ("__init__", "schema", "fields", "engine", "cli", "errors", "runs"):  # not config files
             continue
         module = importlib.import_module(f"configs.{name}")
         for arg in ARGS.get(name, (None,)):
