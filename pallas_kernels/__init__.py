@@ -1,1 +1,1 @@
-"""Attention kernels (flash, ring, paged decode), each beside a pure-jnp reference (issue 3)."""
+"""Attention kernels (flash, chunked, ring, paged decode), each beside a pure-jnp reference."""

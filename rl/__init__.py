@@ -1,1 +1,1 @@
-"""GRPO trainer, rollout pipeline and domain curriculum (issue 6)."""
+"""The GRPO main job (`python -m rl.train`): train step, rollouts, curriculum, run directory, CLIs."""

@@ -1,4 +1,4 @@
-"""No reference leaves the repository (issue 51, item 12): no tracked file names a machine's absolute path,
+"""No reference leaves the repository: no tracked file names a machine's absolute path,
 and nothing points at what happens to sit beside a checkout.
 
 Every tracked text file (`git ls-files`; binary files are skipped, and of a notebook only its cells' sources

@@ -590,9 +590,8 @@ def test_adaptive_reaches_the_reward_with_less_compute_than_uniform():
     # Total reward 1.5 of 2.5. Uniform: 8 tasks per domain per step cost 8 * 400 + 8 * 1000 + 8 * 300 = 13,600
     # tokens and the total crosses 1.5 at step 95: 1,292,000. Adaptive spends on math and finance while they
     # rise fastest per token and on code (expensive: 0.4 sandbox s per task) once they flatten: 1,092,900
-    # here. (Issue 19 changed the bound from 0.8: the rule that jumped to its target from the second step
-    # saved 24%; this one waits for 16 observations and moves a weight at most .01 a step, so it spends the
-    # first ~20 of the ~95 steps near uniform.)
+    # here. The rule waits for 16 observations and moves a weight at most .01 a step, so it spends the first
+    # ~20 of the ~95 steps near uniform.
     uniform = compute_to_reach(DomainScheduler(list(CURVES), mode="static"), 1.5)
     adaptive = compute_to_reach(DomainScheduler(list(CURVES)), 1.5)
     assert uniform == 1_292_000

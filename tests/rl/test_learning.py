@@ -1,4 +1,4 @@
-"""Learning that counts (issue 17): the before/after table, GRPO raising the training reward through the main
+"""Learning that counts: the before/after table, GRPO raising the training reward through the main
 job, and (slow) `make demo`'s held-out gain."""
 
 import json
