@@ -500,15 +500,8 @@ def _function(kind: str, static: tuple):
 
 
 # XLA:CPU runs every dot in YNNPACK (a `ynn_fusion`). Whether its own (Eigen) dot kernels are faster at
-# decode-size row counts depends on the CPU (`benchmarks/small_dots.py`, benchmarks/results/small_dots.jsonl:
-# 8 dependent [M, 512] x [512, 2048] matmuls; the engine built both ways in one process, calls alternated):
-# - a 2-core AMD EPYC VM with AVX2 and no AVX-512: Eigen 1.34x / 1.64x / 1.52x / 1.30x faster at M = 4 / 8 /
-#   16 / 32, slower at M = 1 / 2 (0.97x / 0.91x) and from M = 64 on (0.74x); decode on the peer anchor shapes
-#   +5.9% dense, +5.4% MoE, the speculative step at batch 1 21.5 -> 17.1 ms;
-# - a 2-core Intel Xeon with AVX-512 (and AMX), two runs: the matmul chain mixed (Eigen 0.94x-1.52x at M = 4
-#   to 32), but the engine slower on Eigen at every batch: decode 0.86x / 0.92x dense, 0.91x / 0.92x MoE,
-#   plain batch 4 4.06 -> 4.67 / 3.88 -> 4.39 ms per step, the speculative step at batch 4 10.2 -> 11.0 /
-#   9.2 -> 9.8 ms.
+# decode-size row counts depends on the CPU: faster at a few to a few dozen rows on x86-64 without AVX-512,
+# not with AVX-512 (`python -m benchmarks small_dots`; benchmarks/results/small_dots.jsonl).
 # So a step whose matmuls have SMALL_DOT_MIN_ROWS .. SMALL_DOT_ROWS rows compiles without YNN fusions on an
 # x86-64 CPU without AVX-512 (`eigen_small_dots`); elsewhere every step keeps XLA's defaults. The choice is
 # fixed per machine (a resumed run computes as the interrupted one did); EIGEN_SMALL_DOTS = True / False

@@ -394,11 +394,10 @@ def model_config(cfg: ml_collections.ConfigDict) -> ml_collections.FrozenConfigD
     return ml_collections.FrozenConfigDict({"model": cfg.model, "mesh": cfg.mesh})
 
 
-# The init program runs once, for milliseconds; on CPU most of its compile was LLVM optimizing its threefry
-# hashes. At backend optimization level 0 it compiles 2.4-2.9x faster and runs 25-50 ms longer (`python
-# benchmarks/init_compile.py`, 2 cores, benchmarks/results/init_compile.jsonl: 5.5 -> 1.9 s for the test
-# config, 4.0 -> 1.7 s for the demo's), and its values are within 3 ulp of the default level's (another
-# rounding order in the normal draws: ~4.5% of them differ).
+# The init program runs once, for milliseconds; on CPU most of its compile is LLVM optimizing its threefry
+# hashes. At backend optimization level 0 it compiles several times faster and runs a few ms longer
+# (`python -m benchmarks init_compile`; benchmarks/results/init_compile.jsonl), and its values are within a
+# few ulp of the default level's (another rounding order in the normal draws).
 INIT_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
 
 

@@ -1,4 +1,4 @@
-"""The main job's config, checked in one place before any work (no pool, no model, no SFT: well under 1 s).
+"""The main job's config, checked in one place before any work (no pool, no model, no SFT).
 
 `validate(cfg)` raises a `ConfigError` naming the first bad field and the fix: every field against its table
 (`configs.fields.MODEL`, `configs.fields.RL`: type, range, choices; unknown names refused), then each choice
@@ -205,9 +205,9 @@ def notes(cfg: ml_collections.ConfigDict) -> list[str]:
     if fsdp != 1 and not cfg.model.scan_layers:
         out.append(
             f"model.scan_layers=False on mesh.shape.fsdp={fsdp}: the train step gathers every layer's "
-            "weights and gradients at once (XLA's temp per device measured 2.7x the whole model's bytes, "
-            "against 0.5x with model.scan_layers=True and model.remat='full': 8 layers on fsdp 8, "
-            "model.plan --xla); set those two for a model near a device's memory"
+            "weights and gradients at once (XLA's temp per device: several times the whole model's bytes, "
+            "against a fraction with model.scan_layers=True and model.remat='full'; python -m rl.plan --xla "
+            "prints it); set those two for a model near a device's memory"
         )
     return out
 

@@ -274,9 +274,8 @@ def every_expert_swiglu(x_TD, idx_Tk, w_Tk, gate_EDF, up_EDF, down_EFD) -> jax.A
     Gate and up are batched over the experts (x broadcast to [E, T, D] against [E, D, F]), so each expert's
     weights are read where they are stored. Written as one contraction "td,edf->tef", XLA:CPU lays the
     weights out as [D, E * F] for its matmul: a copy of every gate and up weight in every decode step
-    (inside the engine's decode loop, which it does not hoist). Batched, the MoE decode call on the peer
-    anchor shapes (16 x 32-token prompts, 64 new tokens, 8 steps per call) went from 0.287 to 0.258 s on a
-    2-core AMD EPYC (AVX-512) VM (7 calls each, measured back to back)."""
+    (inside the engine's decode loop, which it does not hoist); batched, that copy is gone
+    (`python -m benchmarks moe_decode`)."""
     dt = x_TD.dtype
     t, e = x_TD.shape[0], gate_EDF.shape[0]
     x_ETD = jnp.broadcast_to(x_TD[None], (e, *x_TD.shape))
