@@ -700,13 +700,14 @@ def test_load_run_reads_the_weights_the_trainer_restores(tmp_path, config_arg, r
     checkpoint packed with its KL reference."""
     import jax
 
+    from configs.runs import read_config
     from inference.engine import weight_shardings
     from rl import run, train_state
 
     workdir = tmp_path / "run"
     for step in (2, 5):
         _save_run(workdir, config_arg, reference=reference, step=step)
-    cfg = run.read_config(str(workdir))
+    cfg = read_config(str(workdir))
     for step in (None, 2):
         want = train_state.weights(run.restore_state(cfg, str(workdir), step)[0])
         got = serve_load.load_run(str(workdir), step).weights
