@@ -275,7 +275,7 @@ def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
     from flax import nnx
 
     from model.io import hf, hf_config
-    from rl import evaluate, export, train, train_state
+    from rl import export, train, train_state
 
     cfg = grpo.get_config("test")
     cfg.model.qk_norm = False  # Qwen2-MoE has no qk norm; the stock model is refused (test below)
@@ -300,7 +300,7 @@ def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the checkpoint was read")
 
-    monkeypatch.setattr(evaluate, "restore_state", refuse)
+    monkeypatch.setattr(run_dir, "restore_state", refuse)
     with pytest.raises(ValueError, match=re.escape(f"--out={out} is a directory with files in it")):
         export.export(str(workdir), str(out))
     monkeypatch.undo()
@@ -317,7 +317,7 @@ def test_a_run_of_the_test_config_exports_as_qwen2_moe(tmp_path, monkeypatch):
 
 def test_export_refuses_the_stock_model_before_reading_the_checkpoint(tmp_path, monkeypatch):
     """The run's model is checked first: one line naming the ways out, no checkpoint read, no folder made."""
-    from rl import evaluate, export
+    from rl import export
 
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -326,7 +326,7 @@ def test_export_refuses_the_stock_model_before_reading_the_checkpoint(tmp_path, 
     def refuse(*args, **kwargs):
         raise AssertionError("the checkpoint was read")
 
-    monkeypatch.setattr(evaluate, "restore_state", refuse)
+    monkeypatch.setattr(run_dir, "restore_state", refuse)
     ways_out = "cannot export the run in .*: no Hugging Face format .*--config.model.qk_norm=False"
     with pytest.raises(ValueError, match=ways_out + ".*--config.model.moe.num_shared_experts=0") as refused:
         export.export(str(workdir), str(tmp_path / "exported" / "tiny"))
