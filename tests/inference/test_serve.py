@@ -3,18 +3,15 @@
 One server (tiny config, random weights, the small engine sizes of tests/engines.py so the compiled
 steps are shared) serves `tiny` and `tiny-fast` (n-gram drafter) for the whole module; a reference `Engine`
 over the same weights gives the expected tokens and log-probs. Also here: `Engine.cancel` /
-`Engine.in_flight` (the engine API the server needs), `inference.serve.text.TextStream` by hand, loading a
-run directory (also through the CLI) and an HF directory.
+`Engine.in_flight` (the engine API the server needs). `inference.serve.text` is tested in test_serve_text.py,
+loading a run directory or an HF directory in test_serve_load.py.
 """
 
 import concurrent.futures
 import http.client
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+import serving  # noqa: E402
 from engines import small_engine  # noqa: E402
 
 import model  # noqa: E402
@@ -39,8 +37,7 @@ from inference.serve import api as serve_api  # noqa: E402
 from inference.serve import load as serve_load  # noqa: E402
 from inference.serve import server as serve_server  # noqa: E402
 from inference.serve.loop import EngineLoop  # noqa: E402
-from inference.serve.text import TextStream  # noqa: E402
-from model.io.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
+from model.io.tokenizer import ByteTokenizer  # noqa: E402
 
 ECFG = small_engine()
 MAX_QUEUE = 32  # capacity 36 sequences: the 32 concurrent clients fit, 37 do not
@@ -48,15 +45,6 @@ MAX_N = 8
 MAX_BODY = 2**16
 WAIT_S = 600  # bound on every wait for the server (the first run compiles every step shape)
 ATOL = 1e-5  # served raw log-probs vs a teacher-forced forward (tests/inference/test_engine.py's bound)
-
-
-def _poll(cond, timeout: float = 30.0, every: float = 0.02) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(every)
-    return cond()
 
 
 class Live:
@@ -71,7 +59,7 @@ class Live:
         self.uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        assert _poll(lambda: self.uv.started, 30)
+        assert serving.poll(lambda: self.uv.started, 30)
 
     def close(self) -> None:
         self.uv.should_exit = True
@@ -140,7 +128,7 @@ def _greedy(reference, prompts: list[list[int]], n: int) -> list[list[int]]:
 def _released(live: Live, name: str) -> Engine:
     """Waits until the engine loop has nothing in flight; its pages are then all free or prefix-cached."""
     loop = live.server.loops[name]
-    assert _poll(lambda: loop.outstanding == 0 and not loop.engine.has_work(), 60)
+    assert serving.poll(lambda: loop.outstanding == 0 and not loop.engine.has_work(), 60)
     eng = loop.engine
     eng.table.check()
     assert eng.pool.num_free + len(list(eng.prefix.held_pages())) == eng.pool.num_pages - 1
@@ -361,7 +349,7 @@ def test_disconnect_mid_stream_frees_the_slot(live, monkeypatch):
     with socket.create_connection(("127.0.0.1", live.port), timeout=30) as sock:
         head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        assert _poll(lambda: loop.outstanding == MAX_N, 30)
+        assert serving.poll(lambda: loop.outstanding == MAX_N, 30)
     eng = _released(live, "tiny")
     monkeypatch.undo()
     assert eng.stats()["cancelled"] > before + 1
@@ -568,219 +556,3 @@ def test_engine_cancel_with_group_drafter(weights):
     (rid,) = eng.submit([TOK.encode("group")], sp)
     eng.step()
     assert eng.cancel(rid) == 3 and not eng.scheduler.groups and not eng.has_work()
-
-
-# --- text: stop strings and incremental decoding -----------------------------------------------------------
-
-
-class _Replacing(Tokenizer):
-    """A minimal non-byte tokenizer: id 1 is "a", every other id decodes to U+FFFD."""
-
-    vocab_size, stop_ids = 4, ()
-
-    def encode(self, text, *, add_special_tokens=False):
-        return [1] * len(text)
-
-    def decode(self, ids, *, skip_special_tokens=False):
-        return "".join("a" if i == 1 else "\ufffd" for i in ids)
-
-    def apply_chat_template(self, messages, **kwargs):
-        return ""
-
-
-def _feed(stream: TextStream, text: bytes | str | list[int]) -> list[str]:
-    out = []
-    for b in text.encode() if isinstance(text, str) else text:
-        stream.add(b, -1.0)
-        out.append(stream.take()[0])
-    return out
-
-
-def test_text_stream_holds_back_stop_prefixes():
-    s = TextStream(TOK, ("ab", "xyz"))
-    assert _feed(s, "qa") == ["q", ""]  # "a" may start "ab"
-    assert _feed(s, "c") == ["ac"]  # it did not
-    assert _feed(s, "xya") == ["", "", "xy"]  # "xy" may start "xyz", then "a" may start "ab"
-    assert _feed(s, "b") == [""] and s.stopped
-    s.add(ord("z"), 0.0)  # ignored after the stop
-    assert s.text == "qacxy" and s.num_generated == 7 and s.take() == ("", [])
-    # Tokens are released with their text; the stop's tokens are dropped.
-    s = TextStream(TOK, ("c",))
-    _feed(s, "abc")
-    assert [t.text for t in s.tokens] == ["a", "b"] and [t.offset for t in s.tokens] == [0, 1]
-
-
-def test_text_stream_decodes_split_characters_and_hides_stop_tokens():
-    s = TextStream(TOK, (), hidden_ids=(EOS,))
-    assert _feed(s, "é€".encode()) == ["", "é", "", "", "€"]
-    s.add(EOS, 0.0)
-    s.finish()
-    assert s.text == "é€" and s.num_generated == 6 and len(s.tokens) == 5
-    assert [t.offset for t in s.tokens] == [0, 0, 1, 1, 1] and s.tokens[0].bytes == [0xC3]
-    s = TextStream(TOK, ("€",))
-    assert _feed(s, b"a\xe2\x82") == ["a", "", ""]
-    _feed(s, b"\xac")
-    assert s.stopped and s.text == "a"
-    # Bytes that cannot complete a character, and unused ids (U+FFFD alone), are not held.
-    assert _feed(TextStream(TOK), b"\x80\xff\xe2a") == ["\ufffd", "\ufffd", "", "\ufffda"]
-    assert _feed(TextStream(ByteTokenizer(512)), [300, 0xC3, 301]) == ["\ufffd", "", "\ufffd\ufffd"]
-    # Another tokenizer: a trailing U+FFFD is held for MAX_HELD_TOKENS tokens at most.
-    assert _feed(TextStream(_Replacing()), [1, 2, 2, 2, 2, 1]) == ["a", "", "", "", "\ufffd" * 4, "a"]
-    s = TextStream(TOK)
-    _feed(s, b"\xe2\x82")  # cut: finish shows what is there
-    s.finish()
-    assert s.take()[0] == "\ufffd"
-
-
-# --- loading ------------------------------------------------------------------------------------------------
-
-
-def test_load_hf_directory(tmp_path):
-    pytest.importorskip("safetensors")
-    from flax import nnx
-
-    from model.io import hf
-
-    cfg = tiny.get_config("dense")  # (tiny MoE has qk_norm and a shared expert: no HF format holds both)
-    m = model.build(cfg, seed=3)
-    hf.save(cfg, nnx.state(m, nnx.Param), tmp_path / "ckpt")
-    loaded = serve_load.load_hf(str(tmp_path / "ckpt"), tokenizer="byte")
-    assert loaded.name == "ckpt" and isinstance(loaded.tokenizer, ByteTokenizer)
-    got, want = nnx.state(loaded.weights, nnx.Param), nnx.state(m, nnx.Param)
-    for a, b in zip(jax_leaves(got), jax_leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _save_run(workdir, config_arg: str = "test", *, reference: bool = False, step: int = 3):
-    """A training run directory as rl.train leaves it: config.json and a checkpoint at `step` of the train
-    state (with `reference`: packed with the KL reference, as a run with a KL term checkpoints it). Returns
-    the train state."""
-    import jax
-
-    from configs import grpo
-    from rl import checkpoint, run, train_state
-
-    cfg = grpo.get_config(config_arg)
-    if reference and cfg.rl.loss.kl_kind == "none":
-        cfg.rl.loss.kl_kind = "k3"
-    workdir.mkdir(exist_ok=True)
-    (workdir / "config.json").write_text(cfg.to_json_best_effort())
-    _, state = train_state.init_state(cfg, seed=7 + step)  # not the run's seed: the weights are these
-    # Selection biases away from their zero init, so that reading them is checked too.
-    state = state.replace(model_state=jax.tree.map(lambda x: x + 0.25 * (step + 1), state.model_state))
-    ref = train_state.reference_weights(state, cfg.rl.reference_dtype) if reference else None
-    with checkpoint.Checkpointer(str(workdir / "checkpoints"), save_every=1, model_config=cfg.model) as ckpt:
-        ckpt.save(step, run.pack(state, ref, None), {"step": step, "version": 0}, force=True)
-        ckpt.wait()
-    return state
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A run with a checkpoint at step 3, and its weights."""
-    from rl import train_state
-
-    workdir = tmp_path_factory.mktemp("serve") / "run"
-    return workdir, train_state.weights(_save_run(workdir))
-
-
-def test_load_run_directory(run_dir):
-    workdir, weights = run_dir
-    loaded = serve_load.load_run(str(workdir))
-    assert loaded.name == "run" and isinstance(loaded.tokenizer, ByteTokenizer)
-    for a, b in zip(jax_leaves(loaded.weights), jax_leaves(weights)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("config_arg, reference", [("test", False), ("test,deepseek", True)])
-def test_load_run_reads_the_weights_the_trainer_restores(tmp_path, config_arg, reference):
-    """`load_run` reads only the weights (no `rl`); they are bit for bit, in tree, dtype and placement, those
-    of the trainer's restore of the whole state (`rl.run.restore_state`) merged as the trainer hands them to
-    its engine. Two checkpoints: the latest and a given step; a sigmoid router's selection biases; a
-    checkpoint packed with its KL reference."""
-    import jax
-
-    from configs.runs import read_config
-    from inference.engine import weight_shardings
-    from rl import run, train_state
-
-    workdir = tmp_path / "run"
-    for step in (2, 5):
-        _save_run(workdir, config_arg, reference=reference, step=step)
-    cfg = read_config(str(workdir))
-    for step in (None, 2):
-        want = train_state.weights(run.restore_state(cfg, str(workdir), step)[0])
-        got = serve_load.load_run(str(workdir), step).weights
-        assert jax.tree.structure(got) == jax.tree.structure(want)
-        for a, b in zip(jax_leaves(got), jax_leaves(want)):
-            assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    if config_arg == "test,deepseek":  # a sigmoid router: selection biases beside the params
-        assert jax_leaves(run.restore_state(cfg, str(workdir))[0].model_state)
-    # On a mesh: the same values, each read into the layout of an engine there.
-    mesh = serve_load.parse_mesh("expert:2,tensor:2")
-    loaded = serve_load.load_run(str(workdir), 2, mesh=mesh, engine_cfg=ECFG)
-    assert loaded.placed
-    where = jax_leaves(weight_shardings(cfg, ECFG, mesh))
-    for a, b, sharding in zip(jax_leaves(loaded.weights), jax_leaves(want), where, strict=True):
-        assert a.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def jax_leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree)
-
-
-def test_cli_serves_a_run(run_dir):
-    """`python -m inference.serve --workdir=RUN` in a subprocess: the run's model, one completion, exit."""
-    workdir, _ = run_dir
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    import jax
-
-    # The tests' persistent compilation cache (conftest.py), so a rerun compiles nothing.
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "inference.serve",
-        f"--workdir={workdir}",
-        f"--port={port}",
-        "--draft=none",
-        "--nowarmup",
-        "--max_batch=4",
-        "--max_seq_len=96",
-        "--page_size=8",
-        "--prefill_chunk=32",
-        "--num_pages=64",
-        "--host_cache_pages=16",
-    ]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        c = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
-        )
-
-        def up():
-            try:
-                return [m.id for m in c.models.list()] == ["run"]
-            except openai.APIConnectionError:
-                return False
-
-        assert _poll(up, 120, 0.5), proc.stdout.read1().decode() if proc.poll() is not None else "not up"
-        r = c.completions.create(model="run", prompt="cli", max_tokens=4, extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 4
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
