@@ -4,8 +4,9 @@ saved with `save_pretrained`, and the checks that hold our model against them.
 - `make_hf(name, path)`: a Qwen3-MoE, Qwen3, Qwen2, Llama 3, Mixtral or Qwen2-MoE model of `ARCHS`.
 - `make_deepseek(name, path)`: a DeepSeek-V3 model of `GEOMETRIES`, with a random selection bias;
   `make_deepseek_mtp(path)`: one with an MTP module, and `hand_mtp_forward`, that module computed by hand.
-- `make_each`: each model of a table, for a fixture; `assert_logits_and_greedy_match`: logits, left-padded
-  logits and greedy tokens against transformers'.
+- `checkpoints_fixture`: each model of a table, saved; `assert_logits_match` and
+  `assert_logits_and_greedy_match` (logits, left-padded logits and greedy tokens) against transformers';
+  `sharded_logits`: ours on a mesh.
 - `write_byte_tokenizer`, `hf_model` and `hf_logits` (transformers' model of a directory and its logits) and
   `jit_logits` (ours of a train state), for the main-job tests that post-train such a checkpoint.
 
@@ -20,7 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from safetensors.numpy import load_file, save_file
+
+from model import sharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -264,14 +268,19 @@ def hand_mtp_forward(net, extra, tokens_BT):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def make_each(tmp_path_factory, make, names) -> dict:
-    """{name: (folder, transformers' model)}: `make(name, folder)` for each of `names`, in a folder of its own
-    (for a module-scoped fixture)."""
-    out = {}
-    for name in names:
-        path = tmp_path_factory.mktemp(name)
-        out[name] = (path, make(name, path))
-    return out
+def checkpoints_fixture(make, names):
+    """A module-scoped fixture `checkpoints`: {name: (folder, transformers' model)}, `make(name, folder)` for
+    each of `names` in a folder of its own."""
+
+    @pytest.fixture(scope="module")
+    def checkpoints(tmp_path_factory):
+        out = {}
+        for name in names:
+            path = tmp_path_factory.mktemp(name)
+            out[name] = (path, make(name, path))
+        return out
+
+    return checkpoints
 
 
 def greedy(m, prompt_BT, steps: int) -> np.ndarray:
@@ -288,16 +297,28 @@ def greedy(m, prompt_BT, steps: int) -> np.ndarray:
     return np.concatenate(out, axis=1)
 
 
+def assert_logits_match(got_BTV, ref, toks_BT) -> None:
+    """Our logits `got_BTV` of `toks_BT` are transformers' model `ref`'s, within LOGIT_ATOL."""
+    with torch.no_grad():
+        want = ref(torch.tensor(toks_BT)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(got_BTV), want, atol=LOGIT_ATOL, rtol=0)
+
+
+def sharded_logits(m, cfg, mesh, toks_BT) -> jax.Array:
+    """Our model `m`'s logits of `toks_BT` under jit on `mesh`, the batch sharded by `cfg`'s rules."""
+    with jax.set_mesh(mesh):
+        spec = sharding.logical_to_spec(("act_batch", "act_length"), cfg.mesh.rules)
+        toks = jax.device_put(jnp.asarray(toks_BT), NamedSharding(mesh, spec))
+        return jax.jit(lambda m, t: m(t)[0])(m, toks)
+
+
 def assert_logits_and_greedy_match(m, ref, vocab: int) -> None:
     """Our model `m` against transformers' `ref`: the logits of two random rows of 12 tokens, of the same
     rows with the first 4 of row 0 masked out (left padding), within LOGIT_ATOL; and 20 greedy tokens after
     their first 6, equal."""
     rng = np.random.RandomState(0)
     toks = rng.randint(0, vocab, (2, 12))
-    with torch.no_grad():
-        want = ref(torch.tensor(toks)).logits.numpy()
-    got = np.asarray(m(jnp.asarray(toks))[0])
-    np.testing.assert_allclose(got, want, atol=LOGIT_ATOL, rtol=0)
+    assert_logits_match(m(jnp.asarray(toks))[0], ref, toks)
 
     # Left-padded batch: HF takes the attention mask and position ids, we take segment ids and positions.
     mask = np.ones((2, 12), np.int64)

@@ -20,15 +20,18 @@ from flax import nnx
 from hf_models import (
     DEEPSEEK_VOCAB,
     GEOMETRIES,
-    LOGIT_ATOL,
     assert_logits_and_greedy_match,
+    assert_logits_match,
+    checkpoints_fixture,
     make_deepseek,
-    make_each,
     randomize_selection_bias,
+    sharded_logits,
 )
+from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from inference import Engine, EngineConfig, SamplingParams
+from model import sharding
 from model.io import hf
 from model.moe.layer import ExpertBias
 
@@ -38,9 +41,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = DEEPSEEK_VOCAB
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return make_each(tmp_path_factory, make_deepseek, GEOMETRIES)
+checkpoints = checkpoints_fixture(make_deepseek, GEOMETRIES)
 
 
 @pytest.mark.parametrize("name", list(GEOMETRIES))
@@ -117,9 +118,7 @@ def test_checkpoint_without_mtp_tensors_loads_without_mtp_modules(tmp_path, capl
     said = [r.getMessage() for r in caplog.records if "num_nextn_predict_layers" in r.getMessage()]
     assert len(said) == 1 and "hold 0; loading model.mtp_layers=0" in said[0], said
     toks = np.random.RandomState(0).randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        want = net(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(m(jnp.asarray(toks))[0]), want, atol=LOGIT_ATOL, rtol=0)
+    assert_logits_match(m(jnp.asarray(toks))[0], net, toks)
 
     for field, value in (("sft.mtp_weight", 0.5), ("engine.draft", "mtp")):
         run = grpo.get_config("test")
@@ -196,11 +195,6 @@ def test_sharded_load_on_8_devices_gives_the_same_logits(checkpoints):
     """DeepSeek-V3 loaded straight onto a data 2 x expert 2 x tensor 2 mesh of the 8 fake CPU devices: the
     routed experts split over `expert` and their hidden width over `tensor`, MLA's per-head up-projection
     over `tensor` (heads), and the sharded forward gives transformers' logits."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from model import sharding
-
     path, ref = checkpoints["qlora_groups"]
     mesh = sharding.make_mesh({a: 1 for a in sharding.MESH_AXES} | {"data": 2, "expert": 2, "tensor": 2})
     cfg, m = hf.load_model(path, mesh=mesh)
@@ -210,9 +204,4 @@ def test_sharded_load_on_8_devices_gives_the_same_logits(checkpoints):
     q_b = m.moe_layers.blocks.attn.q_b[...]  # [L_moe, q_lora, N, qk head]: heads over tensor
     assert q_b.sharding.spec[2] == "tensor" and q_b.addressable_shards[0].data.shape[2] == 2
     toks = np.random.RandomState(3).randint(0, VOCAB, (4, 10))
-    with jax.set_mesh(mesh):
-        spec = sharding.logical_to_spec(("act_batch", "act_length"), cfg.mesh.rules)
-        got = jax.jit(lambda m, t: m(t)[0])(m, jax.device_put(jnp.asarray(toks), NamedSharding(mesh, spec)))
-    with torch.no_grad():
-        want = ref(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(got), want, atol=LOGIT_ATOL, rtol=0)
+    assert_logits_match(sharded_logits(m, cfg, mesh, toks), ref, toks)

@@ -14,8 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_models import ARCHS, LOGIT_ATOL, VOCAB, assert_logits_and_greedy_match, make_each, make_hf
-from jax.sharding import NamedSharding
+from hf_models import (
+    ARCHS,
+    VOCAB,
+    assert_logits_and_greedy_match,
+    assert_logits_match,
+    checkpoints_fixture,
+    make_hf,
+    sharded_logits,
+)
 from safetensors.numpy import load_file, save_file
 
 import model
@@ -27,9 +34,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return make_each(tmp_path_factory, make_hf, ARCHS)
+checkpoints = checkpoints_fixture(make_hf, ARCHS)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -92,9 +97,7 @@ def test_our_model_exports_to_transformers(tmp_path):
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(ref).__name__ == "Qwen3MoeForCausalLM"
     toks = np.random.RandomState(1).randint(0, cfg.model.vocab_size, (2, 10))
-    with torch.no_grad():
-        want = ref(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(m(jnp.asarray(toks))[0]), want, atol=LOGIT_ATOL, rtol=0)
+    assert_logits_match(m(jnp.asarray(toks))[0], ref, toks)
 
 
 def test_our_shared_expert_model_exports_as_qwen2_moe(tmp_path):
@@ -111,9 +114,7 @@ def test_our_shared_expert_model_exports_as_qwen2_moe(tmp_path):
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(ref).__name__ == "Qwen2MoeForCausalLM"
     toks = np.random.RandomState(1).randint(0, m.vocab_size, (2, 10))
-    with torch.no_grad():
-        want = ref(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(net(jnp.asarray(toks))[0]), want, atol=LOGIT_ATOL, rtol=0)
+    assert_logits_match(net(jnp.asarray(toks))[0], ref, toks)
 
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
     ours = nnx.to_pure_dict(params)
@@ -165,12 +166,7 @@ def test_load_places_each_parameter_with_its_sharding(checkpoints):
     assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "expert", None, "tensor")
     assert gate.addressable_shards[0].data.shape == (2, 2, 32, 12)
     toks = np.random.RandomState(0).randint(0, VOCAB, (4, 8))
-    with jax.set_mesh(mesh):
-        spec = sharding.logical_to_spec(("act_batch", "act_length"), cfg.mesh.rules)
-        got = jax.jit(lambda m, t: m(t)[0])(m, jax.device_put(jnp.asarray(toks), NamedSharding(mesh, spec)))
-    with torch.no_grad():
-        want = ref(torch.tensor(toks)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(got), want, atol=LOGIT_ATOL, rtol=0)
+    assert_logits_match(sharded_logits(m, cfg, mesh, toks), ref, toks)
 
 
 def _copy(path, tmp_path, *, edit_tensors=None, edit_config=None):
