@@ -121,7 +121,7 @@ def test_broken_domain_fails_with_probe_named():
 
 def test_cli_exits_nonzero_for_broken_domain(tmp_path):
     out = tmp_path / "qa.json"
-    cmd = [sys.executable, "-m", "envs.qa", "--register=rewards_pass=tests.test_qa:RewardsPass"]
+    cmd = [sys.executable, "-m", "envs.qa", "--register=rewards_pass=tests.envs.test_qa:RewardsPass"]
     cmd += ["--domain=rewards_pass", "--n=3", "--workers=0", f"--json={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -102,7 +102,7 @@ def test_domain_losses_and_gradients_add_up_to_the_batch(aggregation):
         return losses.grpo_loss(cfg, model_def, p, batch, w, 1)[0]
 
     def per_domain(p):
-        return ts._grpo_domain_losses(cfg, model_def, p, batch, w, 1, units_fn=units, num_domains=2)[0]
+        return losses.grpo_domain_losses(cfg, model_def, p, batch, w, 1, units_fn=units, num_domains=2)[0]
 
     losses_D = per_domain(state.params)
     # The same 43 per-token terms (each of order w / 43: advantages in [-1, 1], ratios ~1) added in two orders
