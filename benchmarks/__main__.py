@@ -27,6 +27,7 @@ BENCHMARKS = {
     "learning": "does the adaptive curriculum pay: held-out accuracy per (arm, seed) against compute",
     "matmul_peak": "the best f32 GFLOP/s of one jitted square matmul (the MFU yardstick)",
     "memory_layouts": "per-device live bytes of the main job, measured and planned, per sampler layout",
+    "metrics_diff": "whether two runs of the main job computed the same numbers (metrics, evaluations)",
     "moe_decode": "MoE at decode-size token counts: the gather path against the dispatch path",
     "mtp_draft": "the model's own MTP head as the speculative drafter",
     "peer_table": "the README's speed-beside-the-peers table, built from the committed results",
