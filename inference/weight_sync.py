@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from inference.drafters import model_weights
+from inference.layout import Tree
 
 MODES = ("colocated", "disaggregated")
 
@@ -141,8 +142,6 @@ def _copier_for(targets, masked: bool):
 
 def _copier(targets: list, masked: bool = False):
     """A jitted copy of a list of arrays to `targets` (cached per targets); `masked`: `some` above."""
-    from inference.layout import Tree
-
     return _copier_for(Tree(list(targets)), masked)
 
 

@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from configs.errors import UserError
+from model.io.hf_config import RUNTIME_FIELDS
 
 _RESERVED = "_checkpoint"  # meta key holding the model config summary (stripped from what restore returns)
 _one_writer_set = False
@@ -94,8 +95,6 @@ def check_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raises `ConfigMismatch` naming every field that differs (or exists on one side only), but for the
     runtime fields (`model.io.hf_config.RUNTIME_FIELDS`: how the model runs and trains, e.g. remat or the
     expert exchange, not what its parameters are), which a resumed run may change."""
-    from model.io.hf_config import RUNTIME_FIELDS
-
     missing = object()
     diffs = [
         f"{k}: checkpoint {saved.get(k, missing)!r} vs now {current.get(k, missing)!r}".replace(

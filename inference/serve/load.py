@@ -24,7 +24,7 @@ from flax import nnx
 
 import model as model_lib
 from configs.engine import EngineConfig
-from configs.errors import UserError
+from configs.errors import UserError, require
 from configs.runs import read_config
 from inference.drafters import WEIGHTS, MTPDrafter, NgramDrafter
 from inference.layout import check_mesh
@@ -158,8 +158,6 @@ def load_hf(
     """A Hugging Face checkpoint directory; its tokenizer unless `tokenizer` names another ("byte": ours).
     With `mesh`: the weights in the layout of an engine of `engine_cfg` on it, read block by block (see the
     module docstring)."""
-    from configs.errors import require
-
     require("safetensors", "--hf_dir (a Hugging Face checkpoint)")
     from model.io import hf
 
@@ -174,12 +172,10 @@ def load_hf(
 
 def load_random(cfg, *, name: str, seed: int = 0, tokenizer: str | None = None) -> Loaded:
     """Random weights for `cfg` (a model config, or a main-job config whose rl.tokenizer is used)."""
-    import model
-
     if tokenizer is None and "rl" in cfg:
         tokenizer = cfg.rl.tokenizer or None
     return Loaded(
-        cfg, model.build(cfg, seed=seed), load_tokenizer(tokenizer, vocab_size=cfg.model.vocab_size), name
+        cfg, model_lib.build(cfg, seed=seed), load_tokenizer(tokenizer, vocab_size=cfg.model.vocab_size), name
     )
 
 
