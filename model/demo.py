@@ -1,7 +1,6 @@
 """python -m model.demo --config=configs/tiny.py
 
-The end-to-end check of the foundation until the GRPO loop lands: builds the MoE model sharded over a
-data/expert/tensor mesh (8 fake CPU devices on a CPU host), trains it for a few AdamW steps on a
+The model alone, end to end: builds the MoE model sharded over a data/expert/tensor mesh (8 fake CPU devices on a CPU host), trains it for a few AdamW steps on a
 synthetic next-token rule (forward + backward, MoE aux losses included), prints the loss, the expert
 load and the parameter shardings, then the memory plan of the same config.
 """
