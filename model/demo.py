@@ -1,8 +1,9 @@
 """python -m model.demo --config=configs/tiny.py
 
-The model alone, end to end: builds the MoE model sharded over a data/expert/tensor mesh (8 fake CPU devices on a CPU host), trains it for a few AdamW steps on a
-synthetic next-token rule (forward + backward, MoE aux losses included), prints the loss, the expert
-load and the parameter shardings, then the memory plan of the same config.
+The model alone, end to end: builds the MoE model sharded over a data/expert/tensor mesh (8 fake CPU
+devices on a CPU host), trains it for a few AdamW steps on a synthetic next-token rule (forward + backward,
+MoE aux losses included), prints the loss, the expert load and the parameter shardings, then the memory
+plan of the same config.
 """
 
 import os
