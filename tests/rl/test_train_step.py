@@ -82,6 +82,9 @@ def traces():
 def setup(traces):
     cfg = _cfg()
     model_def, state0 = train_state.init_state(cfg, seed=0)
+    # A test of this worker may have built the same step before (the steps are cached per config): start
+    # from an empty cache so that the first call here traces, whatever ran before.
+    ts.build_step.cache_clear()
     return cfg, model_def, state0, ts.make_train_step(cfg, model_def)
 
 
