@@ -28,7 +28,7 @@ from configs.fields import RL, SMALL
 MODELS = {"tiny": tiny, "small": small}
 
 
-# test: the tiny model on the `debug` domain, small budgets (tests/rl/test_train.py).
+# test: the tiny model on the `debug` domain, small budgets (tests/test_train.py).
 # demo: `make demo`, a ~0.66M-parameter MoE that learns two toy domains on a CPU in minutes.
 VARIANTS = ("test", "demo")
 

@@ -1,7 +1,7 @@
 """Your own environment: rl.domains names a built-in, an installed entry point or an import path
 "package.module:Class"; resolution (envs.registry), its one-line errors at config validation (rl/validate.py),
 the default `sample_tasks`, the examples in examples/my_envs, and worker processes that import the user's
-module (a real EnvPool). The main job on the examples: tests/rl/test_train_user_envs.py."""
+module (a real EnvPool). The main job on the examples: tests/test_train_user_envs.py."""
 
 import os
 import textwrap

@@ -1,4 +1,4 @@
-"""A domain for tests/rl/test_train_user_envs.py, in a module of its own: the environment workers import it,
+"""A domain for tests/test_train_user_envs.py, in a module of its own: the environment workers import it,
 and they must stay JAX-free (a test module imports JAX)."""
 
 from envs import Score, SingleTurnEnvironment

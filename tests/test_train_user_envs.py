@@ -7,7 +7,7 @@ import os
 
 from configs import grpo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD = "examples.my_envs.add:AddNumbers"
 GUESS = "examples.my_envs.guess:GuessNumber"
 
@@ -54,7 +54,7 @@ def test_quality_gate_gets_the_domains_env_options(tmp_path, monkeypatch):
     from envs import registry
     from rl import train
 
-    monkeypatch.setitem(registry._DOMAINS, "answer", "answer_env:Answer")  # tests/rl/answer_env.py
+    monkeypatch.setitem(registry._DOMAINS, "answer", "answer_env:Answer")  # tests/answer_env.py
     cfg = grpo.get_config("test")
     cfg.rl.domains = ("answer",)
     cfg.rl.env.answer = {"answer": "ok"}

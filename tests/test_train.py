@@ -14,7 +14,7 @@ import xla_env
 
 from configs import grpo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _records(workdir):

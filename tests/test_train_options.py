@@ -22,7 +22,7 @@ import xla_env
 from configs import grpo
 from model.config import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cfg(**rl):
